@@ -1,0 +1,328 @@
+//! Turning a wire `TaskActivation` into a store row, and the few edits the
+//! broker makes to stored activation bytes. Everything here handles data
+//! from outside: every failure is a typed [`ActivationError`], never a panic.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use prost::Message;
+
+use crate::proto::TaskActivation;
+use crate::store::{ActivationStatus, InflightActivation, OnAttemptsExceeded, bucket_for_id};
+
+/// Why a record cannot become an activation row.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ActivationError {
+    #[error("empty payload")]
+    EmptyPayload,
+    #[error("not a TaskActivation: {0}")]
+    Undecodable(String),
+    #[error("activation id is empty")]
+    EmptyId,
+    #[error("unknown on_attempts_exceeded value {0}")]
+    UnknownOnAttemptsExceeded(i32),
+    #[error("received_at is not a valid timestamp ({seconds}s, {nanos}ns)")]
+    InvalidReceivedAt { seconds: i64, nanos: i32 },
+    #[error("{field} of {value} seconds is out of range")]
+    OutOfRange { field: &'static str, value: u64 },
+}
+
+impl ActivationError {
+    /// Short, bounded label for metrics and the ingest dead-letter header.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ActivationError::EmptyPayload => "empty_payload",
+            ActivationError::Undecodable(_) => "undecodable",
+            ActivationError::EmptyId => "empty_id",
+            ActivationError::UnknownOnAttemptsExceeded(_) => "unknown_enum",
+            ActivationError::InvalidReceivedAt { .. } => "invalid_timestamp",
+            ActivationError::OutOfRange { .. } => "out_of_range",
+        }
+    }
+}
+
+/// Where a record came from in Kafka.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaPosition {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Decodes a TaskActivation record into a store row (DESIGN.md, "Store").
+///
+/// - `received_at` falls back to `now` when the producer left it unset;
+/// - `expires_at` = received_at + `expires`;
+/// - `delay_until` = received_at + min(`delay`, `max_delay`), and the row
+///   starts as Delay while that is in the future, Pending otherwise.
+pub fn inflight_from_record(
+    bytes: &[u8],
+    position: KafkaPosition,
+    now: DateTime<Utc>,
+    max_delay: Duration,
+) -> Result<InflightActivation, ActivationError> {
+    if bytes.is_empty() {
+        return Err(ActivationError::EmptyPayload);
+    }
+    let activation =
+        TaskActivation::decode(bytes).map_err(|err| ActivationError::Undecodable(err.to_string()))?;
+    if activation.id.is_empty() {
+        return Err(ActivationError::EmptyId);
+    }
+    let retry_state = activation.retry_state.clone().unwrap_or_default();
+    let on_attempts_exceeded = OnAttemptsExceeded::from_i32(retry_state.on_attempts_exceeded)
+        .ok_or(ActivationError::UnknownOnAttemptsExceeded(
+            retry_state.on_attempts_exceeded,
+        ))?;
+    let received_at = match &activation.received_at {
+        None => now,
+        Some(ts) => DateTime::from_timestamp(ts.seconds, u32::try_from(ts.nanos).unwrap_or(u32::MAX))
+            .ok_or(ActivationError::InvalidReceivedAt {
+                seconds: ts.seconds,
+                nanos: ts.nanos,
+            })?,
+    };
+    let expires_at = activation
+        .expires
+        .map(|secs| add_seconds(received_at, "expires", secs))
+        .transpose()?;
+    let delay_until = match activation.delay {
+        Some(secs) if secs > 0 => {
+            let capped = secs.min(max_delay.as_secs());
+            Some(add_seconds(received_at, "delay", capped)?)
+        }
+        _ => None,
+    };
+    let status = match delay_until {
+        Some(until) if until > now => ActivationStatus::Delay,
+        _ => ActivationStatus::Pending,
+    };
+    let processing_deadline_duration =
+        i32::try_from(activation.processing_deadline_duration).map_err(|_| {
+            ActivationError::OutOfRange {
+                field: "processing_deadline_duration",
+                value: activation.processing_deadline_duration,
+            }
+        })?;
+    Ok(InflightActivation {
+        bucket: bucket_for_id(&activation.id),
+        activation: bytes.to_vec(),
+        topic: position.topic,
+        partition: position.partition,
+        kafka_offset: position.offset,
+        added_at: now,
+        received_at,
+        processing_attempts: 0,
+        expires_at,
+        delay_until,
+        processing_deadline_duration,
+        processing_deadline: None,
+        claim_expires_at: None,
+        status,
+        at_most_once: retry_state.at_most_once.unwrap_or(false),
+        application: activation.application.unwrap_or_default(),
+        namespace: activation.namespace,
+        taskname: activation.taskname,
+        on_attempts_exceeded,
+        id: activation.id,
+    })
+}
+
+fn add_seconds(
+    base: DateTime<Utc>,
+    field: &'static str,
+    secs: u64,
+) -> Result<DateTime<Utc>, ActivationError> {
+    i64::try_from(secs)
+        .ok()
+        .and_then(TimeDelta::try_seconds)
+        .and_then(|delta| base.checked_add_signed(delta))
+        .ok_or(ActivationError::OutOfRange { field, value: secs })
+}
+
+/// Applies a worker's RETRY edits to stored activation bytes: the given
+/// `max_attempts` / `delay_on_retry` replace those of `retry_state`.
+pub fn rewrite_retry_state(
+    bytes: &[u8],
+    max_attempts: Option<u32>,
+    delay_on_retry: Option<u64>,
+) -> Result<Vec<u8>, ActivationError> {
+    let mut activation =
+        TaskActivation::decode(bytes).map_err(|err| ActivationError::Undecodable(err.to_string()))?;
+    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
+    if let Some(max_attempts) = max_attempts {
+        retry_state.max_attempts = max_attempts;
+    }
+    if let Some(delay) = delay_on_retry {
+        retry_state.delay_on_retry = Some(delay);
+    }
+    Ok(activation.encode_to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::RetryState;
+    use prost_types::Timestamp;
+
+    fn position() -> KafkaPosition {
+        KafkaPosition {
+            topic: "tasks".into(),
+            partition: 3,
+            offset: 42,
+        }
+    }
+
+    fn base_activation() -> TaskActivation {
+        TaskActivation {
+            id: "0195f6a3c1f47a0e9b3c5d6e7f809112".into(),
+            namespace: "ns".into(),
+            taskname: "do.it".into(),
+            received_at: Some(Timestamp {
+                seconds: 1_700_000_000,
+                nanos: 5_000,
+            }),
+            processing_deadline_duration: 30,
+            ..Default::default()
+        }
+    }
+
+    fn now() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_010, 0).unwrap()
+    }
+
+    const MAX_DELAY: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn decodes_every_derived_column() {
+        let mut activation = base_activation();
+        activation.expires = Some(60);
+        activation.application = Some("app".into());
+        activation.retry_state = Some(RetryState {
+            at_most_once: Some(true),
+            on_attempts_exceeded: 2,
+            ..Default::default()
+        });
+        let bytes = activation.encode_to_vec();
+        let row = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
+        let received = DateTime::from_timestamp(1_700_000_000, 5_000).unwrap();
+        assert_eq!(row.id, activation.id);
+        assert_eq!(row.activation, bytes);
+        assert_eq!((row.topic.as_str(), row.partition, row.kafka_offset), ("tasks", 3, 42));
+        assert_eq!(row.received_at, received);
+        assert_eq!(row.added_at, now());
+        assert_eq!(row.expires_at, Some(received + TimeDelta::seconds(60)));
+        assert_eq!(row.delay_until, None);
+        assert_eq!(row.status, ActivationStatus::Pending);
+        assert!(row.at_most_once);
+        assert_eq!(row.on_attempts_exceeded, OnAttemptsExceeded::Deadletter);
+        assert_eq!(row.application, "app");
+        assert_eq!(row.processing_deadline_duration, 30);
+        assert_eq!(row.bucket, bucket_for_id(&activation.id));
+    }
+
+    #[test]
+    fn missing_received_at_and_application_default() {
+        let mut activation = base_activation();
+        activation.received_at = None;
+        let row =
+            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        assert_eq!(row.received_at, now());
+        assert_eq!(row.application, "");
+        assert!(!row.at_most_once);
+        assert_eq!(row.on_attempts_exceeded, OnAttemptsExceeded::Unspecified);
+    }
+
+    #[test]
+    fn future_delay_is_capped_and_stored_as_delay() {
+        let mut activation = base_activation();
+        activation.delay = Some(10 * 3600);
+        let row =
+            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        let received = DateTime::from_timestamp(1_700_000_000, 5_000).unwrap();
+        assert_eq!(row.delay_until, Some(received + TimeDelta::seconds(3600)));
+        assert_eq!(row.status, ActivationStatus::Delay);
+    }
+
+    #[test]
+    fn delay_already_passed_is_pending() {
+        let mut activation = base_activation();
+        activation.delay = Some(5);
+        let row =
+            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        assert_eq!(row.status, ActivationStatus::Pending);
+        assert!(row.delay_until.is_some());
+    }
+
+    #[test]
+    fn invalid_input_is_a_typed_error() {
+        let err = |bytes: &[u8]| inflight_from_record(bytes, position(), now(), MAX_DELAY);
+        assert_eq!(err(&[]).unwrap_err(), ActivationError::EmptyPayload);
+        assert!(matches!(err(&[0xff, 0xff, 0xff]).unwrap_err(), ActivationError::Undecodable(_)));
+
+        let mut no_id = base_activation();
+        no_id.id.clear();
+        assert_eq!(err(&no_id.encode_to_vec()).unwrap_err(), ActivationError::EmptyId);
+
+        let mut bad_enum = base_activation();
+        bad_enum.retry_state = Some(RetryState {
+            on_attempts_exceeded: 7,
+            ..Default::default()
+        });
+        assert_eq!(
+            err(&bad_enum.encode_to_vec()).unwrap_err(),
+            ActivationError::UnknownOnAttemptsExceeded(7)
+        );
+
+        let mut bad_time = base_activation();
+        bad_time.received_at = Some(Timestamp {
+            seconds: i64::MAX,
+            nanos: 0,
+        });
+        assert!(matches!(
+            err(&bad_time.encode_to_vec()).unwrap_err(),
+            ActivationError::InvalidReceivedAt { .. }
+        ));
+
+        let mut huge_expiry = base_activation();
+        huge_expiry.expires = Some(u64::MAX);
+        assert_eq!(
+            err(&huge_expiry.encode_to_vec()).unwrap_err().reason(),
+            "out_of_range"
+        );
+
+        let mut huge_deadline = base_activation();
+        huge_deadline.processing_deadline_duration = u64::MAX;
+        assert_eq!(
+            err(&huge_deadline.encode_to_vec()).unwrap_err().reason(),
+            "out_of_range"
+        );
+    }
+
+    #[test]
+    fn non_uuid_ids_get_a_stable_bucket() {
+        let mut activation = base_activation();
+        activation.id = "not-a-uuid".into();
+        let bytes = activation.encode_to_vec();
+        let first = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
+        let second = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
+        assert_eq!(first.bucket, second.bucket);
+    }
+
+    #[test]
+    fn retry_state_rewrite_keeps_other_fields() {
+        let mut activation = base_activation();
+        activation.retry_state = Some(RetryState {
+            attempts: 2,
+            max_attempts: 3,
+            ..Default::default()
+        });
+        let rewritten =
+            rewrite_retry_state(&activation.encode_to_vec(), Some(9), Some(15)).unwrap();
+        let decoded = TaskActivation::decode(rewritten.as_slice()).unwrap();
+        let state = decoded.retry_state.clone().unwrap();
+        assert_eq!((state.attempts, state.max_attempts, state.delay_on_retry), (2, 9, Some(15)));
+        assert_eq!(decoded.id, activation.id);
+        assert_eq!(decoded.received_at, activation.received_at);
+    }
+}

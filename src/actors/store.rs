@@ -1,0 +1,162 @@
+//! StoreActor: owns the store (the PostgreSQL pool or the SQLite connection)
+//! and answers one typed message per store operation.
+//!
+//! - Receives: the messages below, one per `ActivationStore` operation.
+//! - Sends: nothing; every message is answered with `StoreResult<T>`.
+//! - Mailbox: `MAILBOX_CAPACITY`. The actor never waits on the database
+//!   itself: each handler returns a future that actix spawns, so queries from
+//!   many senders run concurrently over the pool instead of one at a time.
+//!
+//! Every operation's latency and errors are recorded in [`Metrics`], which is
+//! also how tests count the statements an operation ran.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use crate::metrics::Metrics;
+use crate::store::{
+    ActivationStore, BucketRange, ClaimToken, DeadlineOutcome, InflightActivation, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome, StoreResult,
+};
+
+/// Messages queue here only while actix hands them to their futures, so a
+/// modest bound is enough; senders using `send` wait when it is full.
+pub const MAILBOX_CAPACITY: usize = 1024;
+
+pub struct StoreActor {
+    store: Arc<dyn ActivationStore>,
+    metrics: Arc<Metrics>,
+}
+
+impl StoreActor {
+    pub fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
+        StoreActor { store, metrics }
+    }
+}
+
+impl Actor for StoreActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(MAILBOX_CAPACITY);
+    }
+}
+
+/// Declares one message per store operation: the struct, its result type and
+/// a handler that runs the operation concurrently and records its metrics.
+macro_rules! store_messages {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident { $($field:ident : $ty:ty),* $(,)? } -> $ret:ty,
+        $op:literal, |$store:ident, $msg:ident| $call:expr;
+    )*) => {$(
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name { $(pub $field: $ty),* }
+
+        impl Message for $name {
+            type Result = StoreResult<$ret>;
+        }
+
+        impl Handler<$name> for StoreActor {
+            type Result = ResponseFuture<StoreResult<$ret>>;
+
+            fn handle(&mut self, $msg: $name, _ctx: &mut Self::Context) -> Self::Result {
+                let store = Arc::clone(&self.store);
+                let metrics = Arc::clone(&self.metrics);
+                Box::pin(async move {
+                    let started = Instant::now();
+                    let $store = store.as_ref();
+                    let result = $call.await;
+                    metrics.observe_store($op, started.elapsed(), result.as_ref().err());
+                    result
+                })
+            }
+        }
+    )*};
+}
+
+store_messages! {
+    /// Store newly consumed activations (idempotent); answers how many were new.
+    InsertBatch { rows: Vec<InflightActivation> } -> u64,
+        "insert_batch", |store, msg| store.insert_batch(&msg.rows);
+
+    /// Claim Pending rows of a bucket range for push delivery.
+    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+        "claim_for_push", |store, msg| store.claim_for_push(msg.buckets, msg.limit, msg.lease);
+
+    /// Pull mode: hand the oldest matching Pending row to a worker.
+    ClaimForPull { filter: PullFilter, deadline_grace: Duration } -> Option<InflightActivation>,
+        "claim_for_pull", |store, msg| store.claim_for_pull(&msg.filter, msg.deadline_grace);
+
+    /// Return claims to Pending in one fenced statement.
+    ReleaseClaims { claims: Vec<ClaimToken> } -> u64,
+        "release_claims", |store, msg| store.release_claims(&msg.claims);
+
+    /// A push failed: fenced return of one claim to Pending.
+    UndoClaim { claim: ClaimToken } -> bool,
+        "undo_claim", |store, msg| store.undo_claim(&msg.claim);
+
+    /// Pushes succeeded: fenced Claimed → Processing.
+    MarkProcessing { claims: Vec<ClaimToken>, deadline_grace: Duration } -> u64,
+        "mark_processing", |store, msg| store.mark_processing(&msg.claims, msg.deadline_grace);
+
+    /// Worker results (one or a batch).
+    SetStatus { updates: Vec<StatusUpdate> } -> StatusUpdateOutcome,
+        "set_status", |store, msg| store.set_status(&msg.updates);
+
+    /// Delete rows by id.
+    DeleteBatch { ids: Vec<String> } -> u64,
+        "delete_batch", |store, msg| store.delete_batch(&msg.ids);
+
+    /// Upkeep: expired claims back to Pending.
+    ReleaseExpiredClaims { limit: usize } -> u64,
+        "release_expired_claims", |store, msg| store.release_expired_claims(msg.limit);
+
+    /// Upkeep: processing deadlines passed.
+    HandleProcessingDeadlines { limit: usize } -> DeadlineOutcome,
+        "handle_processing_deadlines", |store, msg| store.handle_processing_deadlines(msg.limit);
+
+    /// Upkeep: Pending rows out of attempts → Failure.
+    FailExhaustedAttempts { max_attempts: u32, limit: usize } -> u64,
+        "fail_exhausted_attempts",
+        |store, msg| store.fail_exhausted_attempts(msg.max_attempts, msg.limit);
+
+    /// Upkeep: delete expired Pending rows.
+    RemoveExpired { limit: usize } -> u64,
+        "remove_expired", |store, msg| store.remove_expired(msg.limit);
+
+    /// Upkeep: due Delay rows → Pending.
+    ReleaseDelayed { limit: usize } -> u64,
+        "release_delayed", |store, msg| store.release_delayed(msg.limit);
+
+    /// Upkeep: take Retry or dead-letter rows to publish, leased.
+    TakeForPublish { kind: PublishKind, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+        "take_for_publish", |store, msg| store.take_for_publish(msg.kind, msg.limit, msg.lease);
+
+    /// Upkeep: discard Failure rows that are not dead-lettered.
+    DiscardFailures { limit: usize } -> u64,
+        "discard_failures", |store, msg| store.discard_failures(msg.limit);
+
+    /// Upkeep: Kafka acknowledged these rows' records.
+    MarkPublished { ids: Vec<String> } -> u64,
+        "mark_published", |store, msg| store.mark_published(&msg.ids);
+
+    /// Upkeep: delete Complete rows.
+    RemoveCompleted { limit: usize } -> u64,
+        "remove_completed", |store, msg| store.remove_completed(msg.limit);
+
+    /// Row counts per status.
+    CountByStatus {} -> StatusCounts,
+        "count_by_status", |store, _msg| store.count_by_status();
+
+    /// Age of the oldest first-attempt Pending or Claimed row.
+    MaxPendingLag {} -> f64,
+        "max_pending_lag", |store, _msg| store.max_pending_lag();
+
+    /// One row by id.
+    GetActivation { id: String } -> Option<InflightActivation>,
+        "get", |store, msg| store.get(&msg.id);
+}

@@ -1,0 +1,163 @@
+//! The `taskbroker` command.
+//!
+//! `taskbroker run` (the default) reads the configuration from `TASKBROKER_*`
+//! variables, refusing to start on any bad value; opens the store and applies
+//! migrations; starts the actors, each on an Arbiter (a thread) of its own so
+//! the broker uses every core; then waits for SIGTERM or SIGINT and stops
+//! the actors in order. `taskbroker migrate` only applies migrations, and
+//! `taskbroker config` prints the effective configuration (secrets redacted)
+//! or, with `--markdown`, the configuration reference in docs/.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use clap::{Parser, Subcommand};
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::store::CountByStatus;
+use taskbroker::config::{Config, LogFormat, unknown_variables};
+use taskbroker::metrics::Metrics;
+use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "taskbroker", version, about = "Kafka-fed task broker delivering to gRPC workers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the broker (the default).
+    Run,
+    /// Apply database migrations, then exit.
+    Migrate,
+    /// Print the effective configuration, secrets redacted.
+    Config {
+        /// Print the configuration reference (docs/configuration.md) instead.
+        #[arg(long)]
+        markdown: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Config { markdown: true }) = cli.command {
+        print!("{}", taskbroker::config::reference_markdown());
+        return ExitCode::SUCCESS;
+    }
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("taskbroker: invalid configuration:\n{err}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(message) = init_logging(&config) {
+        eprintln!("taskbroker: {message}");
+        return ExitCode::from(2);
+    }
+    for variable in unknown_variables(std::env::vars().map(|(name, _)| name)) {
+        tracing::warn!(%variable, "unknown TASKBROKER_ variable ignored (typo?)");
+    }
+    let outcome = match cli.command.unwrap_or(Command::Run) {
+        Command::Config { .. } => {
+            print!("{}", config.render_effective());
+            Ok(())
+        }
+        Command::Migrate => actix_rt::System::new().block_on(migrate(&config)),
+        Command::Run => actix_rt::System::new().block_on(run(config)),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            eprintln!("taskbroker: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(config: &Config) -> Result<(), String> {
+    let filter = EnvFilter::try_new(&config.log)
+        .map_err(|err| format!("TASKBROKER_LOG={}: not a valid log filter: {err}", config.log))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match config.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+    Ok(())
+}
+
+/// Opens the configured store. Only PostgreSQL exists so far.
+fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
+    let Some(url) = &config.database_url else {
+        return Err("TASKBROKER_DATABASE_URL is not set and this build has no embedded SQLite \
+                    store yet: set TASKBROKER_DATABASE_URL=postgres://user@host:5432/db"
+            .to_owned());
+    };
+    let store = PostgresStore::connect(&PostgresStoreConfig {
+        url: url.clone(),
+        pool_size: config.db_pool_size,
+        async_commit: config.db_async_commit,
+        ..PostgresStoreConfig::new(url.clone())
+    })
+    .map_err(|err| err.to_string())?;
+    tracing::info!(backend = store.backend(), "store configured");
+    Ok(Arc::new(store))
+}
+
+async fn migrate(config: &Config) -> Result<(), String> {
+    let store = open_store(config)?;
+    store.migrate().await.map_err(|err| err.to_string())?;
+    tracing::info!("migrations applied");
+    Ok(())
+}
+
+async fn run(config: Config) -> Result<(), String> {
+    let store = open_store(&config)?;
+    store.migrate().await.map_err(|err| err.to_string())?;
+    let metrics = Arc::new(Metrics::new());
+
+    let store_arbiter = Arbiter::new();
+    let store_actor = {
+        let metrics = Arc::clone(&metrics);
+        StoreActor::start_in_arbiter(&store_arbiter.handle(), move |_| {
+            StoreActor::new(store, metrics)
+        })
+    };
+    match store_actor.send(CountByStatus {}).await {
+        Ok(Ok(counts)) => {
+            metrics.set_status_counts(&counts);
+            tracing::info!(inflight = counts.inflight(), "store ready");
+        }
+        Ok(Err(err)) => tracing::warn!(error = %err, "store not answering yet"),
+        Err(err) => return Err(format!("store actor stopped: {err}")),
+    }
+
+    wait_for_shutdown_signal().await;
+    tracing::info!("shutting down");
+    store_arbiter.stop();
+    let _ = store_arbiter.join();
+    Ok(())
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn wait_for_shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        _ = terminate => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}

@@ -1,0 +1,133 @@
+//! Prometheus metrics, prefix `taskbroker_`. Each broker (and each test) owns
+//! its own [`Metrics`] and registry, so nothing is global and tests can read
+//! exact values. Label values are bounded: operations, statuses, reasons.
+
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::store::{ActivationStatus, StatusCounts, StoreError};
+
+pub struct Metrics {
+    registry: Registry,
+    /// Store operation latency, by operation (its count is the number of calls).
+    pub store_duration: HistogramVec,
+    /// Store operation errors, by operation and error kind.
+    pub store_errors: IntCounterVec,
+    /// Activations in the store by status (refreshed by upkeep).
+    pub activations: IntGaugeVec,
+    /// Age of the oldest first-attempt Pending or Claimed activation.
+    pub max_lag_seconds: Gauge,
+    /// Constant 1, labelled with the running version.
+    pub build_info: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let store_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "taskbroker_store_operation_duration_seconds",
+                "Duration of store operations, by operation.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+            &["operation"],
+        )
+        .expect("valid metric definition");
+        let store_errors = IntCounterVec::new(
+            Opts::new(
+                "taskbroker_store_operation_errors_total",
+                "Store operations that failed, by operation and kind of error.",
+            ),
+            &["operation", "kind"],
+        )
+        .expect("valid metric definition");
+        let activations = IntGaugeVec::new(
+            Opts::new(
+                "taskbroker_activations",
+                "Activations in the store, by status.",
+            ),
+            &["status"],
+        )
+        .expect("valid metric definition");
+        let max_lag_seconds = Gauge::new(
+            "taskbroker_pending_activation_max_lag_seconds",
+            "Age of the oldest Pending or Claimed first-attempt activation, delay-adjusted; 0 when none.",
+        )
+        .expect("valid metric definition");
+        let build_info = IntGaugeVec::new(
+            Opts::new("taskbroker_build_info", "Always 1; labelled with the version."),
+            &["version"],
+        )
+        .expect("valid metric definition");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        for collector in [
+            Box::new(store_duration.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(store_errors.clone()),
+            Box::new(activations.clone()),
+            Box::new(max_lag_seconds.clone()),
+            Box::new(build_info.clone()),
+        ] {
+            registry
+                .register(collector)
+                .expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            store_duration,
+            store_errors,
+            activations,
+            max_lag_seconds,
+            build_info,
+        }
+    }
+
+    pub fn observe_store(&self, operation: &str, elapsed: Duration, error: Option<&StoreError>) {
+        self.store_duration
+            .with_label_values(&[operation])
+            .observe(elapsed.as_secs_f64());
+        if let Some(error) = error {
+            self.store_errors
+                .with_label_values(&[operation, error.kind()])
+                .inc();
+        }
+    }
+
+    /// How many times a store operation ran (successfully or not).
+    pub fn store_calls(&self, operation: &str) -> u64 {
+        self.store_duration
+            .with_label_values(&[operation])
+            .get_sample_count()
+    }
+
+    pub fn set_status_counts(&self, counts: &StatusCounts) {
+        for status in ActivationStatus::ALL {
+            self.activations
+                .with_label_values(&[status.as_str()])
+                .set(i64::try_from(counts.get(status)).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The text exposition format served on `/metrics`.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        let encoder = TextEncoder::new();
+        if let Err(err) = encoder.encode(&self.registry.gather(), &mut buffer) {
+            tracing::error!(error = %err, "cannot encode metrics");
+        }
+        String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,179 @@
+//! The in-flight activation store: one interface of intent-named operations,
+//! implemented by PostgreSQL (`postgres.rs`) and, later, SQLite.
+//!
+//! Every transition that a claim could race is *fenced*: it names the row by
+//! id **and** by the `claim_expires_at` the caller saw when it claimed it. Each
+//! claim writes a strictly later expiry than the row ever had, so a stale
+//! release, undo or mark-processing can never touch a newer claim of the same
+//! row. Every statement is bounded: batch operations take explicit id lists
+//! (empty lists are no-ops that never reach the database) and upkeep
+//! operations take a `limit`.
+
+mod postgres;
+pub mod types;
+
+pub use postgres::{PostgresStore, PostgresStoreConfig};
+pub use types::*;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+/// Result of every store operation.
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Errors a caller can branch on: `Unavailable` is retryable (the database
+/// went away or the pool is exhausted); the others are not.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable during {operation}: {message}")]
+    Unavailable {
+        operation: &'static str,
+        message: String,
+    },
+    #[error("store operation {operation} failed: {message}")]
+    Query {
+        operation: &'static str,
+        message: String,
+    },
+    #[error("row {id} has an invalid {column}: {value}")]
+    InvalidRow {
+        id: String,
+        column: &'static str,
+        value: String,
+    },
+    #[error("migration failed: {0}")]
+    Migration(String),
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+}
+
+impl StoreError {
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
+
+    /// Short, bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Unavailable { .. } => "unavailable",
+            StoreError::Query { .. } => "query",
+            StoreError::InvalidRow { .. } => "invalid_row",
+            StoreError::Migration(_) => "migration",
+            StoreError::Config(_) => "config",
+        }
+    }
+}
+
+/// The operations the broker performs on in-flight activations.
+///
+/// Implementations must be safe to call concurrently from many tasks and from
+/// several broker replicas sharing one database.
+#[async_trait]
+pub trait ActivationStore: Send + Sync + 'static {
+    /// Which backend this is, for logs ("postgres", "sqlite").
+    fn backend(&self) -> &'static str;
+
+    /// Applies pending schema migrations; safe when replicas start together.
+    async fn migrate(&self) -> StoreResult<()>;
+
+    /// Inserts activations, ignoring ids already stored. Returns how many were new.
+    async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64>;
+
+    /// Push mode: claims up to `limit` Pending, unexpired rows in `buckets`,
+    /// oldest `added_at` first, skipping rows other claimers hold. Returns them
+    /// Claimed, in `added_at` order, each with the exact `claim_expires_at`
+    /// that fences later transitions.
+    async fn claim_for_push(
+        &self,
+        buckets: BucketRange,
+        limit: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>>;
+
+    /// Pull mode: moves the oldest Pending, unexpired row matching `filter`
+    /// straight to Processing with its deadline. A namespace without an
+    /// application matches nothing (the protocol requires both).
+    async fn claim_for_pull(
+        &self,
+        filter: &PullFilter,
+        deadline_grace: Duration,
+    ) -> StoreResult<Option<InflightActivation>>;
+
+    /// Returns claimed rows to Pending in one statement, fenced. Never
+    /// consumes an attempt; rows claimed again or already Processing are
+    /// left alone. Returns how many rows were released.
+    async fn release_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64>;
+
+    /// A push failed: the same fenced return to Pending as `release_claims`,
+    /// for one row. Returns whether the row was still held by this claim.
+    async fn undo_claim(&self, claim: &ClaimToken) -> StoreResult<bool> {
+        Ok(self.release_claims(std::slice::from_ref(claim)).await? == 1)
+    }
+
+    /// Pushes succeeded: fenced Claimed → Processing with
+    /// `processing_deadline` = now + `processing_deadline_duration` + grace.
+    /// Returns how many rows moved; the rest were stale (claimed again or gone).
+    async fn mark_processing(
+        &self,
+        claims: &[ClaimToken],
+        deadline_grace: Duration,
+    ) -> StoreResult<u64>;
+
+    /// Worker results. Only rows in Claimed or Processing change; others are
+    /// counted as ignored (wrong status) or missing (no such id). RETRY
+    /// updates may rewrite `max_attempts` / `delay_on_retry` in the stored
+    /// activation's retry state.
+    async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome>;
+
+    /// Deletes rows by id regardless of status. Returns how many were deleted.
+    async fn delete_batch(&self, ids: &[String]) -> StoreResult<u64>;
+
+    /// Upkeep: Claimed rows whose lease ran out → Pending, no attempt consumed.
+    async fn release_expired_claims(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: Processing rows past their deadline → Pending with one more
+    /// attempt, or Failure when the task is at_most_once.
+    async fn handle_processing_deadlines(&self, limit: usize) -> StoreResult<DeadlineOutcome>;
+
+    /// Upkeep: Pending rows that used `max_attempts` or more → Failure.
+    async fn fail_exhausted_attempts(&self, max_attempts: u32, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: deletes Pending rows whose `expires_at` has passed.
+    async fn remove_expired(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: Delay rows whose `delay_until` has passed → Pending.
+    async fn release_delayed(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: takes up to `limit` rows to publish (Retry rows, or Failure
+    /// rows to dead-letter). Rows are taken under row locks and leased for
+    /// `lease`, so concurrent callers (other replicas) never receive the same
+    /// row; if the caller dies before `mark_published`, the rows are offered
+    /// again after the lease.
+    async fn take_for_publish(
+        &self,
+        kind: PublishKind,
+        limit: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>>;
+
+    /// Upkeep: Failure rows whose task says discard → Complete.
+    async fn discard_failures(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: Kafka acknowledged these rows' records: Retry/Failure → Complete.
+    async fn mark_published(&self, ids: &[String]) -> StoreResult<u64>;
+
+    /// Upkeep: deletes Complete rows.
+    async fn remove_completed(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Row counts per status.
+    async fn count_by_status(&self) -> StoreResult<StatusCounts>;
+
+    /// Age in seconds of the oldest first-attempt Pending or Claimed row,
+    /// measured from when it became runnable (`received_at`, or `delay_until`
+    /// when later); 0 when there is none.
+    async fn max_pending_lag(&self) -> StoreResult<f64>;
+
+    /// One row by id, for inspection and tests.
+    async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>>;
+}

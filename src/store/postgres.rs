@@ -1,0 +1,873 @@
+//! PostgreSQL backend: deadpool-postgres pool, prepared (cached) statements,
+//! one statement per batch. Timestamps come from the database clock (`now()`),
+//! so replicas sharing the database agree on expiry.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::{
+    Hook, HookError, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
+};
+use tokio_postgres::{NoTls, Row, error::SqlState};
+
+use super::{
+    ActivationStatus, ActivationStore, BucketRange, ClaimToken, DeadlineOutcome,
+    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome, StoreError, StoreResult,
+};
+use crate::activation::rewrite_retry_state;
+
+mod embedded {
+    refinery::embed_migrations!("migrations/postgres");
+}
+
+/// Key of the session advisory lock that serializes migrations across
+/// replicas starting at the same moment ("taskbroker" in ASCII, truncated).
+const MIGRATION_LOCK_KEY: i64 = 0x7461_736b_6272_6f6b;
+
+/// Settings for [`PostgresStore::connect`].
+#[derive(Debug, Clone)]
+pub struct PostgresStoreConfig {
+    pub url: String,
+    pub pool_size: usize,
+    /// Run the transitions a lease or deadline would replay anyway (claims,
+    /// mark processing, removal of finished rows) with
+    /// `synchronous_commit = off`. After a database crash some tasks may run
+    /// twice; none is lost.
+    pub async_commit: bool,
+    /// Bound on connecting and on waiting for a pooled connection, so callers
+    /// get `Unavailable` instead of hanging while the database is away.
+    pub connect_timeout: Duration,
+}
+
+impl PostgresStoreConfig {
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresStoreConfig {
+            url: url.into(),
+            pool_size: 16,
+            async_commit: false,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+pub struct PostgresStore {
+    url: String,
+    /// Durable commits: inserts, worker results, upkeep that publishes.
+    pool: Pool,
+    /// Transitions that may use asynchronous commit (same pool unless
+    /// `async_commit` is on).
+    replayable: Pool,
+}
+
+impl PostgresStore {
+    /// Builds the pools. Connections are opened lazily, so a database that
+    /// is down at startup shows up as `Unavailable` on first use.
+    pub fn connect(config: &PostgresStoreConfig) -> StoreResult<Self> {
+        let pool = build_pool(config, false)?;
+        let replayable = if config.async_commit {
+            build_pool(config, true)?
+        } else {
+            pool.clone()
+        };
+        Ok(PostgresStore {
+            url: config.url.clone(),
+            pool,
+            replayable,
+        })
+    }
+
+    async fn client(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+    ) -> StoreResult<deadpool_postgres::Object> {
+        pool.get().await.map_err(|err| pool_error(operation, err))
+    }
+}
+
+fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> StoreResult<Pool> {
+    let mut pg_config: tokio_postgres::Config = config
+        .url
+        .parse()
+        .map_err(|err| StoreError::Config(format!("invalid PostgreSQL URL: {err}")))?;
+    pg_config.connect_timeout(config.connect_timeout);
+    if pg_config.get_application_name().is_none() {
+        pg_config.application_name("taskbroker");
+    }
+    let manager = Manager::from_config(
+        pg_config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    let mut builder = Pool::builder(manager)
+        .max_size(config.pool_size.max(1))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(config.connect_timeout))
+        .create_timeout(Some(config.connect_timeout))
+        .recycle_timeout(Some(config.connect_timeout));
+    if async_commit {
+        builder = builder.post_create(Hook::async_fn(|client, _| {
+            Box::pin(async move {
+                client
+                    .batch_execute("SET synchronous_commit = off")
+                    .await
+                    .map_err(HookError::Backend)
+            })
+        }));
+    }
+    builder
+        .build()
+        .map_err(|err| StoreError::Config(format!("cannot build connection pool: {err}")))
+}
+
+/// Connection-level failures are retryable (`Unavailable`); anything the
+/// server rejected about the statement itself is not.
+fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreError {
+    let unavailable = err.is_closed()
+        || match err.code() {
+            None => true,
+            Some(code) => {
+                code.code().starts_with("08")
+                    || [
+                        SqlState::ADMIN_SHUTDOWN,
+                        SqlState::CRASH_SHUTDOWN,
+                        SqlState::CANNOT_CONNECT_NOW,
+                        SqlState::TOO_MANY_CONNECTIONS,
+                    ]
+                    .contains(code)
+            }
+        };
+    let message = match err.as_db_error() {
+        Some(db) => format!("{}: {}", db.code().code(), db.message()),
+        None => err.to_string(),
+    };
+    if unavailable {
+        StoreError::Unavailable { operation, message }
+    } else {
+        StoreError::Query { operation, message }
+    }
+}
+
+fn pool_error(operation: &'static str, err: PoolError) -> StoreError {
+    StoreError::Unavailable {
+        operation,
+        message: err.to_string(),
+    }
+}
+
+/// The row columns, in the order `activation_from_row` reads them.
+macro_rules! columns {
+    () => {
+        "id, activation, topic, partition, kafka_offset, added_at, received_at, \
+         processing_attempts, expires_at, delay_until, processing_deadline_duration, \
+         processing_deadline, claim_expires_at, status, at_most_once, application, namespace, \
+         taskname, on_attempts_exceeded, bucket"
+    };
+    (t) => {
+        "t.id, t.activation, t.topic, t.partition, t.kafka_offset, t.added_at, t.received_at, \
+         t.processing_attempts, t.expires_at, t.delay_until, t.processing_deadline_duration, \
+         t.processing_deadline, t.claim_expires_at, t.status, t.at_most_once, t.application, \
+         t.namespace, t.taskname, t.on_attempts_exceeded, t.bucket"
+    };
+}
+
+fn activation_from_row(row: &Row) -> StoreResult<InflightActivation> {
+    let id: String = row.try_get(0).map_err(|err| query_error("decode_row", err))?;
+    let get = |err: tokio_postgres::Error| StoreError::InvalidRow {
+        id: id.clone(),
+        column: "row",
+        value: err.to_string(),
+    };
+    let status: String = row.try_get(13).map_err(get)?;
+    let status = status
+        .parse::<ActivationStatus>()
+        .map_err(|value| StoreError::InvalidRow {
+            id: id.clone(),
+            column: "status",
+            value,
+        })?;
+    let on_attempts_exceeded: i32 = row.try_get(18).map_err(get)?;
+    let on_attempts_exceeded = OnAttemptsExceeded::from_i32(on_attempts_exceeded).ok_or_else(|| {
+        StoreError::InvalidRow {
+            id: id.clone(),
+            column: "on_attempts_exceeded",
+            value: on_attempts_exceeded.to_string(),
+        }
+    })?;
+    Ok(InflightActivation {
+        activation: row.try_get(1).map_err(get)?,
+        topic: row.try_get(2).map_err(get)?,
+        partition: row.try_get(3).map_err(get)?,
+        kafka_offset: row.try_get(4).map_err(get)?,
+        added_at: row.try_get(5).map_err(get)?,
+        received_at: row.try_get(6).map_err(get)?,
+        processing_attempts: row.try_get(7).map_err(get)?,
+        expires_at: row.try_get(8).map_err(get)?,
+        delay_until: row.try_get(9).map_err(get)?,
+        processing_deadline_duration: row.try_get(10).map_err(get)?,
+        processing_deadline: row.try_get(11).map_err(get)?,
+        claim_expires_at: row.try_get(12).map_err(get)?,
+        status,
+        at_most_once: row.try_get(14).map_err(get)?,
+        application: row.try_get(15).map_err(get)?,
+        namespace: row.try_get(16).map_err(get)?,
+        taskname: row.try_get(17).map_err(get)?,
+        on_attempts_exceeded,
+        bucket: row.try_get(19).map_err(get)?,
+        id,
+    })
+}
+
+fn activations_from_rows(rows: &[Row]) -> StoreResult<Vec<InflightActivation>> {
+    rows.iter().map(activation_from_row).collect()
+}
+
+fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+fn split_tokens(claims: &[ClaimToken]) -> (Vec<&str>, Vec<DateTime<Utc>>) {
+    claims
+        .iter()
+        .map(|claim| (claim.id.as_str(), claim.claim_expires_at))
+        .unzip()
+}
+
+// Bounded statements pick their rows in a MATERIALIZED CTE: a
+// `WHERE id IN (SELECT .. LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per
+// outer row and then touch far more than `n` rows.
+
+const INSERT: &str = concat!(
+    "INSERT INTO inflight_taskactivations (",
+    columns!(),
+    ") SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int4[], $5::int8[], \
+     $6::timestamptz[], $7::timestamptz[], $8::int4[], $9::timestamptz[], $10::timestamptz[], \
+     $11::int4[], $12::timestamptz[], $13::timestamptz[], $14::text[], $15::bool[], $16::text[], \
+     $17::text[], $18::text[], $19::int4[], $20::int2[]) \
+     ON CONFLICT (id) DO NOTHING"
+);
+
+// The new expiry is strictly later than any this row had, even if the clock
+// or the lease went backwards: that is what makes the fence unambiguous.
+const CLAIM_FOR_PUSH: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
+         AND (expires_at IS NULL OR expires_at > now()) \
+       ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+       claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
+                                   t.claim_expires_at + interval '1 microsecond') \
+     FROM picked WHERE t.id = picked.id RETURNING ",
+    columns!(t)
+);
+
+macro_rules! claim_for_pull {
+    ($filter:literal) => {
+        concat!(
+            "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+               WHERE status = 'Pending' AND (expires_at IS NULL OR expires_at > now()) ",
+            $filter,
+            " ORDER BY added_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
+             UPDATE inflight_taskactivations t SET status = 'Processing', \
+               processing_deadline = now() + ($1::float8 + t.processing_deadline_duration) \
+                                              * interval '1 second' \
+             FROM picked WHERE t.id = picked.id RETURNING ",
+            columns!(t)
+        )
+    };
+}
+const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!("AND $2::text IS NULL AND $3::text IS NULL");
+const CLAIM_FOR_PULL_APPLICATION: &str =
+    claim_for_pull!("AND application = $2 AND $3::text IS NULL");
+const CLAIM_FOR_PULL_NAMESPACE: &str = claim_for_pull!("AND application = $2 AND namespace = $3");
+
+const RELEASE_CLAIMS: &str = "UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
+     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+
+const MARK_PROCESSING: &str = "UPDATE inflight_taskactivations t SET status = 'Processing', \
+       processing_deadline = now() + ($3::float8 + t.processing_deadline_duration) \
+                                      * interval '1 second' \
+     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
+     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+
+// Counts are over distinct ids; `existing` is read from the statement's
+// snapshot, i.e. before the update.
+const SET_STATUS: &str = "WITH u AS (SELECT DISTINCT ON (id) id, status \
+       FROM unnest($1::text[], $2::text[]) AS u(id, status)), \
+     updated AS (UPDATE inflight_taskactivations t SET status = u.status FROM u \
+       WHERE t.id = u.id AND t.status IN ('Claimed', 'Processing') RETURNING t.id) \
+     SELECT (SELECT count(*) FROM u), \
+            (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
+            (SELECT count(*) FROM updated)";
+
+const LOCK_FOR_RETRY_EDIT: &str = "SELECT id, activation FROM inflight_taskactivations \
+     WHERE id = ANY($1) AND status IN ('Claimed', 'Processing') ORDER BY id FOR UPDATE";
+
+const WRITE_ACTIVATIONS: &str = "UPDATE inflight_taskactivations t SET activation = r.activation \
+     FROM unnest($1::text[], $2::bytea[]) AS r(id, activation) WHERE t.id = r.id";
+
+const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations WHERE id = ANY($1)";
+
+const RELEASE_EXPIRED_CLAIMS: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Claimed' AND claim_expires_at < now() \
+       ORDER BY claim_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Claimed'";
+
+const HANDLE_PROCESSING_DEADLINES: &str = "WITH due AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Processing' AND processing_deadline < now() \
+       ORDER BY processing_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t \
+       SET status = CASE WHEN t.at_most_once THEN 'Failure' ELSE 'Pending' END, \
+           processing_attempts = t.processing_attempts + 1, processing_deadline = NULL \
+     FROM due WHERE t.id = due.id AND t.status = 'Processing' RETURNING t.at_most_once";
+
+const FAIL_EXHAUSTED_ATTEMPTS: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Pending' AND processing_attempts >= $1 \
+       LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Failure' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Pending'";
+
+const REMOVE_EXPIRED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND expires_at IS NOT NULL AND expires_at < now() \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     DELETE FROM inflight_taskactivations t USING picked \
+     WHERE t.id = picked.id AND t.status = 'Pending'";
+
+const RELEASE_DELAYED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Delay' AND delay_until <= now() \
+       ORDER BY delay_until LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Delay'";
+
+macro_rules! take_for_publish {
+    ($filter:literal) => {
+        concat!(
+            "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations WHERE ",
+            $filter,
+            " AND (publish_expires_at IS NULL OR publish_expires_at < now()) \
+              ORDER BY added_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+             UPDATE inflight_taskactivations t \
+               SET publish_expires_at = now() + $2::int8 * interval '1 microsecond' \
+             FROM picked WHERE t.id = picked.id RETURNING ",
+            columns!(t)
+        )
+    };
+}
+const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
+const TAKE_DEAD_LETTERS: &str = take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
+
+const DISCARD_FAILURES: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Failure' AND on_attempts_exceeded <> 2 \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Complete' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Failure'";
+
+const MARK_PUBLISHED: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
+     WHERE id = ANY($1) AND status IN ('Retry', 'Failure')";
+
+const REMOVE_COMPLETED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Complete' \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     DELETE FROM inflight_taskactivations t USING picked \
+     WHERE t.id = picked.id AND t.status = 'Complete'";
+
+const COUNT_BY_STATUS: &str =
+    "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
+
+const MAX_PENDING_LAG: &str = "SELECT COALESCE(GREATEST(EXTRACT(EPOCH FROM \
+       now() - min(GREATEST(received_at, COALESCE(delay_until, received_at)))), 0), 0)::float8 \
+     FROM inflight_taskactivations \
+     WHERE status IN ('Pending', 'Claimed') AND processing_attempts = 0";
+
+const GET: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM inflight_taskactivations WHERE id = $1"
+);
+
+#[async_trait]
+impl ActivationStore for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        let migration_error = |err: tokio_postgres::Error| StoreError::Migration(err.to_string());
+        let (mut client, connection) = tokio_postgres::connect(&self.url, NoTls)
+            .await
+            .map_err(migration_error)?;
+        let driver = tokio::spawn(connection);
+        // A session lock, held by this connection only: if this process dies
+        // mid-migration the lock goes with its connection.
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+            .await
+            .map_err(migration_error)?;
+        let outcome = embedded::migrations::runner()
+            .run_async(&mut client)
+            .await
+            .map(|_| ())
+            .map_err(|err| StoreError::Migration(err.to_string()));
+        let unlocked = client
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+            .await;
+        drop(client);
+        let _ = driver.await;
+        outcome?;
+        unlocked.map_err(migration_error)?;
+        Ok(())
+    }
+
+    async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64> {
+        const OP: &str = "insert_batch";
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let activations: Vec<&[u8]> = rows.iter().map(|r| r.activation.as_slice()).collect();
+        let topics: Vec<&str> = rows.iter().map(|r| r.topic.as_str()).collect();
+        let partitions: Vec<i32> = rows.iter().map(|r| r.partition).collect();
+        let offsets: Vec<i64> = rows.iter().map(|r| r.kafka_offset).collect();
+        let added: Vec<DateTime<Utc>> = rows.iter().map(|r| r.added_at).collect();
+        let received: Vec<DateTime<Utc>> = rows.iter().map(|r| r.received_at).collect();
+        let attempts: Vec<i32> = rows.iter().map(|r| r.processing_attempts).collect();
+        let expires: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.expires_at).collect();
+        let delays: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.delay_until).collect();
+        let durations: Vec<i32> = rows.iter().map(|r| r.processing_deadline_duration).collect();
+        let deadlines: Vec<Option<DateTime<Utc>>> =
+            rows.iter().map(|r| r.processing_deadline).collect();
+        let claims: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.claim_expires_at).collect();
+        let statuses: Vec<&str> = rows.iter().map(|r| r.status.as_str()).collect();
+        let at_most_once: Vec<bool> = rows.iter().map(|r| r.at_most_once).collect();
+        let applications: Vec<&str> = rows.iter().map(|r| r.application.as_str()).collect();
+        let namespaces: Vec<&str> = rows.iter().map(|r| r.namespace.as_str()).collect();
+        let tasknames: Vec<&str> = rows.iter().map(|r| r.taskname.as_str()).collect();
+        let exceeded: Vec<i32> = rows
+            .iter()
+            .map(|r| r.on_attempts_exceeded.as_i32())
+            .collect();
+        let buckets: Vec<i16> = rows.iter().map(|r| r.bucket).collect();
+
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(INSERT)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        client
+            .execute(
+                &statement,
+                &[
+                    &ids,
+                    &activations,
+                    &topics,
+                    &partitions,
+                    &offsets,
+                    &added,
+                    &received,
+                    &attempts,
+                    &expires,
+                    &delays,
+                    &durations,
+                    &deadlines,
+                    &claims,
+                    &statuses,
+                    &at_most_once,
+                    &applications,
+                    &namespaces,
+                    &tasknames,
+                    &exceeded,
+                    &buckets,
+                ],
+            )
+            .await
+            .map_err(|e| query_error(OP, e))
+    }
+
+    async fn claim_for_push(
+        &self,
+        buckets: BucketRange,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        const OP: &str = "claim_for_push";
+        if limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let client = self.client(&self.replayable, OP).await?;
+        let statement = client
+            .prepare_cached(CLAIM_FOR_PUSH)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(
+                &statement,
+                &[
+                    &buckets.first,
+                    &buckets.last,
+                    &limit(limit_rows),
+                    &micros(lease),
+                ],
+            )
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let mut claimed = activations_from_rows(&rows)?;
+        // RETURNING has no order; hand them out oldest first.
+        claimed.sort_by(|a, b| a.added_at.cmp(&b.added_at));
+        Ok(claimed)
+    }
+
+    async fn claim_for_pull(
+        &self,
+        filter: &PullFilter,
+        deadline_grace: Duration,
+    ) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "claim_for_pull";
+        let sql = match (&filter.application, &filter.namespace) {
+            (None, None) => CLAIM_FOR_PULL_ANY,
+            (Some(_), None) => CLAIM_FOR_PULL_APPLICATION,
+            (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
+            (None, Some(_)) => return Ok(None),
+        };
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(
+                &statement,
+                &[
+                    &deadline_grace.as_secs_f64(),
+                    &filter.application,
+                    &filter.namespace,
+                ],
+            )
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        rows.first().map(activation_from_row).transpose()
+    }
+
+    async fn release_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "release_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(RELEASE_CLAIMS)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        client
+            .execute(&statement, &[&ids, &expiries])
+            .await
+            .map_err(|e| query_error(OP, e))
+    }
+
+    async fn mark_processing(
+        &self,
+        claims: &[ClaimToken],
+        deadline_grace: Duration,
+    ) -> StoreResult<u64> {
+        const OP: &str = "mark_processing";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        let client = self.client(&self.replayable, OP).await?;
+        let statement = client
+            .prepare_cached(MARK_PROCESSING)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        client
+            .execute(
+                &statement,
+                &[&ids, &expiries, &deadline_grace.as_secs_f64()],
+            )
+            .await
+            .map_err(|e| query_error(OP, e))
+    }
+
+    async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome> {
+        const OP: &str = "set_status";
+        if updates.is_empty() {
+            return Ok(StatusUpdateOutcome::default());
+        }
+        let ids: Vec<&str> = updates.iter().map(|u| u.id.as_str()).collect();
+        let statuses: Vec<&str> = updates
+            .iter()
+            .map(|u| u.status.as_status().as_str())
+            .collect();
+        let edits: Vec<&StatusUpdate> = updates.iter().filter(|u| u.edits_retry_state()).collect();
+
+        let mut client = self.client(&self.pool, OP).await?;
+        let transaction = client
+            .transaction()
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        if !edits.is_empty() {
+            let edit_ids: Vec<&str> = edits.iter().map(|u| u.id.as_str()).collect();
+            let locked = transaction
+                .query(LOCK_FOR_RETRY_EDIT, &[&edit_ids])
+                .await
+                .map_err(|e| query_error(OP, e))?;
+            let mut rewritten_ids = Vec::with_capacity(locked.len());
+            let mut rewritten = Vec::with_capacity(locked.len());
+            for row in &locked {
+                let id: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
+                let bytes: Vec<u8> = row.try_get(1).map_err(|e| query_error(OP, e))?;
+                let Some(update) = edits.iter().find(|u| u.id == id) else {
+                    continue;
+                };
+                match rewrite_retry_state(&bytes, update.max_attempts, update.delay_on_retry) {
+                    Ok(new_bytes) => {
+                        rewritten_ids.push(id);
+                        rewritten.push(new_bytes);
+                    }
+                    // The status still applies; only the retry-state edit is lost.
+                    Err(err) => tracing::warn!(
+                        activation_id = %id,
+                        error = %err,
+                        "cannot rewrite retry state of stored activation"
+                    ),
+                }
+            }
+            if !rewritten_ids.is_empty() {
+                transaction
+                    .execute(WRITE_ACTIVATIONS, &[&rewritten_ids, &rewritten])
+                    .await
+                    .map_err(|e| query_error(OP, e))?;
+            }
+        }
+        let statement = transaction
+            .prepare_cached(SET_STATUS)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let row = transaction
+            .query_one(&statement, &[&ids, &statuses])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        transaction.commit().await.map_err(|e| query_error(OP, e))?;
+        let count = |index: usize| -> StoreResult<u64> {
+            let value: i64 = row.try_get(index).map_err(|e| query_error(OP, e))?;
+            Ok(u64::try_from(value).unwrap_or(0))
+        };
+        let (distinct, existing, updated) = (count(0)?, count(1)?, count(2)?);
+        Ok(StatusUpdateOutcome {
+            updated,
+            ignored: existing.saturating_sub(updated),
+            missing: distinct.saturating_sub(existing),
+        })
+    }
+
+    async fn delete_batch(&self, ids: &[String]) -> StoreResult<u64> {
+        const OP: &str = "delete_batch";
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.execute(&self.replayable, OP, DELETE_BATCH, &[&ids])
+            .await
+    }
+
+    async fn release_expired_claims(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "release_expired_claims",
+            RELEASE_EXPIRED_CLAIMS,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn handle_processing_deadlines(&self, limit_rows: usize) -> StoreResult<DeadlineOutcome> {
+        const OP: &str = "handle_processing_deadlines";
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(HANDLE_PROCESSING_DEADLINES)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(&statement, &[&limit(limit_rows)])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let mut outcome = DeadlineOutcome::default();
+        for row in &rows {
+            let at_most_once: bool = row.try_get(0).map_err(|e| query_error(OP, e))?;
+            if at_most_once {
+                outcome.failed += 1;
+            } else {
+                outcome.retried += 1;
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn fail_exhausted_attempts(&self, max_attempts: u32, limit_rows: usize) -> StoreResult<u64> {
+        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        self.execute(
+            &self.pool,
+            "fail_exhausted_attempts",
+            FAIL_EXHAUSTED_ATTEMPTS,
+            &[&max_attempts, &limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn remove_expired(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "remove_expired",
+            REMOVE_EXPIRED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn release_delayed(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "release_delayed",
+            RELEASE_DELAYED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn take_for_publish(
+        &self,
+        kind: PublishKind,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        const OP: &str = "take_for_publish";
+        let sql = match kind {
+            PublishKind::Retry => TAKE_RETRIES,
+            PublishKind::DeadLetter => TAKE_DEAD_LETTERS,
+        };
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(&statement, &[&limit(limit_rows), &micros(lease)])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        activations_from_rows(&rows)
+    }
+
+    async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "discard_failures",
+            DISCARD_FAILURES,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn mark_published(&self, ids: &[String]) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.execute(&self.pool, "mark_published", MARK_PUBLISHED, &[&ids])
+            .await
+    }
+
+    async fn remove_completed(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.replayable,
+            "remove_completed",
+            REMOVE_COMPLETED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn count_by_status(&self) -> StoreResult<StatusCounts> {
+        const OP: &str = "count_by_status";
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(COUNT_BY_STATUS)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(&statement, &[])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let mut counts = StatusCounts::default();
+        for row in &rows {
+            let status: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
+            let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
+            let status = status
+                .parse::<ActivationStatus>()
+                .map_err(|value| StoreError::InvalidRow {
+                    id: String::from("(count)"),
+                    column: "status",
+                    value,
+                })?;
+            counts.set(status, u64::try_from(count).unwrap_or(0));
+        }
+        Ok(counts)
+    }
+
+    async fn max_pending_lag(&self) -> StoreResult<f64> {
+        const OP: &str = "max_pending_lag";
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(MAX_PENDING_LAG)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let row = client
+            .query_one(&statement, &[])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        row.try_get(0).map_err(|e| query_error(OP, e))
+    }
+
+    async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "get";
+        let client = self.client(&self.pool, OP).await?;
+        let statement = client
+            .prepare_cached(GET)
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        let rows = client
+            .query(&statement, &[&id])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+        rows.first().map(activation_from_row).transpose()
+    }
+}
+
+impl PostgresStore {
+    /// Runs one prepared statement and returns the rows it affected.
+    async fn execute(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<u64> {
+        let client = self.client(pool, operation).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(operation, e))?;
+        client
+            .execute(&statement, params)
+            .await
+            .map_err(|e| query_error(operation, e))
+    }
+}

@@ -1,0 +1,169 @@
+//! Shared test fixtures: a fresh PostgreSQL database per test, so tests run
+//! in parallel without seeing each other's rows.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use chrono::{DateTime, SubsecRound, Utc};
+use prost::Message;
+use taskbroker::activation::{KafkaPosition, inflight_from_record};
+use taskbroker::proto::{RetryState, TaskActivation};
+use taskbroker::store::{ActivationStore, InflightActivation, PostgresStore, PostgresStoreConfig};
+
+/// Where tests find a PostgreSQL server they may create databases on.
+pub fn admin_url() -> String {
+    std::env::var("TASKBROKER_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// A database created for one test and dropped when the value is dropped.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let name = format!("taskbroker_test_{}", uuid::Uuid::new_v4().simple());
+        let admin = admin_client().await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap_or_else(|err| panic!("cannot create test database {name}: {err}"));
+        let url = url_for_database(&admin_url(), &name);
+        TestDb { name, url }
+    }
+
+    pub fn store_config(&self) -> PostgresStoreConfig {
+        PostgresStoreConfig::new(self.url.clone())
+    }
+
+    /// A migrated PostgreSQL store on this database.
+    pub async fn store(&self) -> Arc<PostgresStore> {
+        let store = PostgresStore::connect(&self.store_config()).expect("store config");
+        store.migrate().await.expect("migrations apply");
+        Arc::new(store)
+    }
+
+    /// A plain client on this database, for inspecting rows.
+    pub async fn client(&self) -> tokio_postgres::Client {
+        connect(&self.url).await
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs inside the test's runtime, which cannot be blocked on:
+        // do the cleanup on a thread with a runtime of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            runtime.block_on(async {
+                let admin = admin_client().await;
+                let _ = admin
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .await;
+            });
+        })
+        .join();
+    }
+}
+
+pub async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|err| {
+            panic!(
+                "cannot connect to PostgreSQL at {url}: {err}. \
+                 Set TASKBROKER_TEST_DATABASE_URL or run scripts/test."
+            )
+        });
+    tokio::spawn(connection);
+    client
+}
+
+async fn admin_client() -> tokio_postgres::Client {
+    connect(&admin_url()).await
+}
+
+/// `admin_url` with its database name replaced.
+pub fn url_for_database(admin_url: &str, database: &str) -> String {
+    let (base, query) = match admin_url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (admin_url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{host_part}/{database}?{query}"),
+        None => format!("{host_part}/{database}"),
+    }
+}
+
+/// Now, truncated to the microseconds the databases keep.
+pub fn now() -> DateTime<Utc> {
+    Utc::now().trunc_subsecs(6)
+}
+
+/// A wire activation with sensible test values.
+pub fn task(id: &str) -> TaskActivation {
+    TaskActivation {
+        id: id.to_owned(),
+        namespace: "test-ns".to_owned(),
+        taskname: "tests.do_work".to_owned(),
+        received_at: Some(prost_types::Timestamp {
+            seconds: now().timestamp(),
+            nanos: 0,
+        }),
+        retry_state: Some(RetryState {
+            attempts: 0,
+            max_attempts: 3,
+            ..Default::default()
+        }),
+        processing_deadline_duration: 30,
+        application: Some("app".to_owned()),
+        ..Default::default()
+    }
+}
+
+/// The store row for `activation`, as the consumer would build it.
+pub fn row_from(activation: &TaskActivation) -> InflightActivation {
+    inflight_from_record(
+        &activation.encode_to_vec(),
+        KafkaPosition {
+            topic: "taskworker".to_owned(),
+            partition: 0,
+            offset: 0,
+        },
+        now(),
+        std::time::Duration::from_secs(3600),
+    )
+    .expect("valid test activation")
+}
+
+/// A Pending row with id `id`.
+pub fn row(id: &str) -> InflightActivation {
+    row_from(&task(id))
+}
+
+/// `n` Pending rows with ids `{prefix}-{i}` and strictly increasing `added_at`.
+pub fn rows(prefix: &str, n: usize) -> Vec<InflightActivation> {
+    let base = now();
+    (0..n)
+        .map(|i| {
+            let mut row = row(&format!("{prefix}-{i}"));
+            row.added_at = base + chrono::TimeDelta::microseconds(i as i64);
+            row
+        })
+        .collect()
+}
+
+pub async fn insert(store: &dyn ActivationStore, rows: &[InflightActivation]) {
+    store.insert_batch(rows).await.expect("insert");
+}

@@ -1,0 +1,860 @@
+//! The store conformance suite: every operation and transition of
+//! `ActivationStore`, written once and run against every backend on a real
+//! database (never a mock). Each test gets a database of its own.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{TimeDelta, Utc};
+use common::{insert, now, row, row_from, rows, task};
+use prost::Message;
+use taskbroker::proto::TaskActivation;
+use taskbroker::store::{
+    ActivationStatus, ActivationStore, BucketRange, ClaimToken, InflightActivation,
+    OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate, StatusUpdateOutcome, WorkerStatus,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+const NO_GRACE: Duration = Duration::ZERO;
+
+type Store = Arc<dyn ActivationStore>;
+
+/// Generates one `#[tokio::test]` per case for each backend.
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let db = crate::common::TestDb::new().await;
+                    let store: crate::Store = db.store().await;
+                    crate::$case(store).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    insert_is_idempotent_and_counts_new_rows,
+    insert_keeps_every_column,
+    empty_batches_are_noops,
+    claim_returns_oldest_first_with_the_stored_expiry,
+    claim_only_takes_its_bucket_range,
+    claim_skips_expired_and_non_pending_rows,
+    concurrent_claims_hand_out_distinct_ids,
+    release_returns_claims_to_pending_without_an_attempt,
+    release_skips_rows_claimed_again,
+    every_claim_writes_a_later_expiry,
+    release_leaves_processing_rows_alone,
+    mark_processing_sets_the_deadline,
+    mark_processing_after_release_changes_nothing,
+    undo_claim_is_fenced,
+    pull_claim_filters_by_application_and_namespace,
+    pull_claim_skips_expired_rows,
+    status_updates_apply_only_to_claimed_or_processing,
+    repeated_status_updates_are_idempotent,
+    retry_update_rewrites_retry_state,
+    retry_edit_ignored_for_rows_not_handed_out,
+    delete_batch_removes_rows,
+    expired_claims_return_to_pending_without_an_attempt,
+    deadline_overrun_returns_to_pending_with_an_attempt,
+    at_most_once_deadline_overrun_fails,
+    exhausted_attempts_fail,
+    expired_pending_rows_are_removed,
+    delayed_rows_become_pending_when_due,
+    retries_are_taken_published_and_removed,
+    failures_are_dead_lettered_or_discarded,
+    concurrent_publish_takers_never_share_rows,
+    taken_rows_are_offered_again_after_the_lease,
+    upkeep_statements_respect_their_limit,
+    counts_by_status,
+    max_pending_lag_is_delay_adjusted_and_first_attempt_only,
+);
+
+// ---------------------------------------------------------------- helpers
+
+async fn status_of(store: &Store, id: &str) -> ActivationStatus {
+    store
+        .get(id)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("row {id} missing"))
+        .status
+}
+
+async fn fetch(store: &Store, id: &str) -> InflightActivation {
+    store
+        .get(id)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("row {id} missing"))
+}
+
+async fn claim_all(store: &Store, lease: Duration) -> Vec<InflightActivation> {
+    store
+        .claim_for_push(BucketRange::ALL, 1000, lease)
+        .await
+        .expect("claim")
+}
+
+fn tokens(claimed: &[InflightActivation]) -> Vec<ClaimToken> {
+    claimed
+        .iter()
+        .map(|row| row.claim_token().expect("claimed rows carry a token"))
+        .collect()
+}
+
+fn ids(rows: &[InflightActivation]) -> Vec<String> {
+    rows.iter().map(|row| row.id.clone()).collect()
+}
+
+/// Rows in Processing: claimed then marked.
+async fn processing(store: &Store, prefix: &str, n: usize) -> Vec<String> {
+    insert(store.as_ref(), &rows(prefix, n)).await;
+    let claimed = claim_all(store, LEASE).await;
+    store
+        .mark_processing(&tokens(&claimed), Duration::from_secs(60))
+        .await
+        .expect("mark processing");
+    ids(&claimed)
+}
+
+fn with_status(mut row: InflightActivation, status: ActivationStatus) -> InflightActivation {
+    row.status = status;
+    row
+}
+
+// ---------------------------------------------------------------- inserts
+
+async fn insert_is_idempotent_and_counts_new_rows(store: Store) {
+    let batch = rows("a", 3);
+    assert_eq!(store.insert_batch(&batch).await.unwrap(), 3);
+    let mut again = rows("a", 3)[1..].to_vec();
+    again.push(row("b"));
+    assert_eq!(store.insert_batch(&again).await.unwrap(), 1);
+    // Duplicates inside one batch are fine too.
+    assert_eq!(
+        store.insert_batch(&[row("c"), row("c")]).await.unwrap(),
+        1
+    );
+    assert_eq!(store.count_by_status().await.unwrap().total(), 5);
+}
+
+async fn insert_keeps_every_column(store: Store) {
+    let mut activation = task("full");
+    activation.expires = Some(600);
+    activation.delay = Some(120);
+    let mut original = row_from(&activation);
+    original.partition = 7;
+    original.kafka_offset = 12_345;
+    original.processing_attempts = 2;
+    original.at_most_once = true;
+    original.on_attempts_exceeded = OnAttemptsExceeded::Deadletter;
+    original.activation = activation.encode_to_vec();
+    insert(store.as_ref(), std::slice::from_ref(&original)).await;
+    assert_eq!(fetch(&store, "full").await, original);
+    assert_eq!(original.status, ActivationStatus::Delay);
+}
+
+async fn empty_batches_are_noops(store: Store) {
+    assert_eq!(store.insert_batch(&[]).await.unwrap(), 0);
+    assert_eq!(store.release_claims(&[]).await.unwrap(), 0);
+    assert_eq!(store.mark_processing(&[], NO_GRACE).await.unwrap(), 0);
+    assert_eq!(
+        store.set_status(&[]).await.unwrap(),
+        StatusUpdateOutcome::default()
+    );
+    assert_eq!(store.delete_batch(&[]).await.unwrap(), 0);
+    assert_eq!(store.mark_published(&[]).await.unwrap(), 0);
+    assert!(
+        store
+            .claim_for_push(BucketRange::ALL, 0, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+// ---------------------------------------------------------------- push claims
+
+async fn claim_returns_oldest_first_with_the_stored_expiry(store: Store) {
+    let mut batch = rows("r", 5);
+    batch.reverse(); // insertion order must not matter, added_at does
+    insert(store.as_ref(), &batch).await;
+    let before = Utc::now();
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, 3, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(ids(&claimed), ["r-0", "r-1", "r-2"]);
+    for row in &claimed {
+        assert_eq!(row.status, ActivationStatus::Claimed);
+        let stored = fetch(&store, &row.id).await;
+        assert_eq!(stored.status, ActivationStatus::Claimed);
+        assert_eq!(stored.claim_expires_at, row.claim_expires_at);
+        let expiry = row.claim_expires_at.unwrap();
+        let lease = TimeDelta::from_std(LEASE).unwrap();
+        assert!(expiry > before + lease - TimeDelta::seconds(5));
+        assert!(expiry < Utc::now() + lease + TimeDelta::seconds(5));
+    }
+    assert_eq!(status_of(&store, "r-3").await, ActivationStatus::Pending);
+}
+
+async fn claim_only_takes_its_bucket_range(store: Store) {
+    let batch = rows("b", 200);
+    insert(store.as_ref(), &batch).await;
+    let range = BucketRange::slice(1, 4);
+    let claimed = store.claim_for_push(range, 1000, LEASE).await.unwrap();
+    let expected: HashSet<String> = batch
+        .iter()
+        .filter(|row| (range.first..=range.last).contains(&row.bucket))
+        .map(|row| row.id.clone())
+        .collect();
+    assert!(!expected.is_empty());
+    assert_eq!(ids(&claimed).into_iter().collect::<HashSet<_>>(), expected);
+}
+
+async fn claim_skips_expired_and_non_pending_rows(store: Store) {
+    let mut expired = task("expired");
+    expired.received_at = Some(prost_types::Timestamp {
+        seconds: (now() - TimeDelta::seconds(100)).timestamp(),
+        nanos: 0,
+    });
+    expired.expires = Some(10);
+    let mut delayed = task("delayed");
+    delayed.delay = Some(600);
+    insert(
+        store.as_ref(),
+        &[
+            row_from(&expired),
+            row_from(&delayed),
+            with_status(row("done"), ActivationStatus::Complete),
+            with_status(row("retry"), ActivationStatus::Retry),
+            row("ok"),
+        ],
+    )
+    .await;
+    assert_eq!(ids(&claim_all(&store, LEASE).await), ["ok"]);
+}
+
+async fn concurrent_claims_hand_out_distinct_ids(store: Store) {
+    const ROWS: usize = 2000;
+    for chunk in rows("c", ROWS).chunks(500) {
+        insert(store.as_ref(), chunk).await;
+    }
+    let mut claimers = Vec::new();
+    for _ in 0..16 {
+        let store = Arc::clone(&store);
+        claimers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let claimed = store
+                    .claim_for_push(BucketRange::ALL, 16, LEASE)
+                    .await
+                    .expect("claim");
+                if claimed.is_empty() {
+                    return mine;
+                }
+                mine.extend(ids(&claimed));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for claimer in claimers {
+        all.extend(claimer.await.unwrap());
+    }
+    let distinct: HashSet<&String> = all.iter().collect();
+    assert_eq!(all.len(), ROWS, "every row claimed once");
+    assert_eq!(distinct.len(), ROWS, "no row claimed twice");
+}
+
+// ---------------------------------------------------------------- fenced transitions
+
+async fn release_returns_claims_to_pending_without_an_attempt(store: Store) {
+    insert(store.as_ref(), &rows("rel", 4)).await;
+    let claimed = claim_all(&store, LEASE).await;
+    assert_eq!(store.release_claims(&tokens(&claimed)).await.unwrap(), 4);
+    for id in ids(&claimed) {
+        let row = fetch(&store, &id).await;
+        assert_eq!(row.status, ActivationStatus::Pending);
+        assert_eq!(row.processing_attempts, 0);
+    }
+    // Released rows can be claimed again at once.
+    assert_eq!(claim_all(&store, LEASE).await.len(), 4);
+}
+
+async fn release_skips_rows_claimed_again(store: Store) {
+    insert(store.as_ref(), &[row("x")]).await;
+    let first = claim_all(&store, Duration::ZERO).await;
+    // The lease ran out and upkeep returned it; another fetch claims it again.
+    assert_eq!(store.release_expired_claims(100).await.unwrap(), 1);
+    let second = claim_all(&store, LEASE).await;
+    assert_eq!(ids(&second), ["x"]);
+
+    // The late release from the first claim must not undo the second.
+    assert_eq!(store.release_claims(&tokens(&first)).await.unwrap(), 0);
+    let stored = fetch(&store, "x").await;
+    assert_eq!(stored.status, ActivationStatus::Claimed);
+    assert_eq!(stored.claim_expires_at, second[0].claim_expires_at);
+    // The current holder's release still works.
+    assert_eq!(store.release_claims(&tokens(&second)).await.unwrap(), 1);
+}
+
+async fn every_claim_writes_a_later_expiry(store: Store) {
+    insert(store.as_ref(), &[row("m")]).await;
+    let long = claim_all(&store, Duration::from_secs(3600)).await;
+    store.release_claims(&tokens(&long)).await.unwrap();
+    // A shorter lease must still produce a strictly later expiry, or the
+    // first claim's token would match the second claim.
+    let short = claim_all(&store, Duration::ZERO).await;
+    assert!(short[0].claim_expires_at > long[0].claim_expires_at);
+    assert_eq!(store.release_claims(&tokens(&long)).await.unwrap(), 0);
+    assert_eq!(status_of(&store, "m").await, ActivationStatus::Claimed);
+}
+
+async fn release_leaves_processing_rows_alone(store: Store) {
+    insert(store.as_ref(), &rows("p", 2)).await;
+    let claimed = claim_all(&store, LEASE).await;
+    store
+        .mark_processing(&tokens(&claimed[..1]), NO_GRACE)
+        .await
+        .unwrap();
+    assert_eq!(store.release_claims(&tokens(&claimed)).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "p-0").await, ActivationStatus::Processing);
+    assert_eq!(status_of(&store, "p-1").await, ActivationStatus::Pending);
+}
+
+async fn mark_processing_sets_the_deadline(store: Store) {
+    insert(store.as_ref(), &[row("d")]).await; // processing_deadline_duration 30 s
+    let claimed = claim_all(&store, LEASE).await;
+    let before = Utc::now();
+    let grace = Duration::from_secs(5);
+    assert_eq!(
+        store.mark_processing(&tokens(&claimed), grace).await.unwrap(),
+        1
+    );
+    let stored = fetch(&store, "d").await;
+    assert_eq!(stored.status, ActivationStatus::Processing);
+    assert_eq!(stored.processing_attempts, 0);
+    let deadline = stored.processing_deadline.expect("deadline set");
+    assert!(deadline > before + TimeDelta::seconds(33));
+    assert!(deadline < Utc::now() + TimeDelta::seconds(37));
+}
+
+async fn mark_processing_after_release_changes_nothing(store: Store) {
+    insert(store.as_ref(), &[row("late")]).await;
+    let claimed = claim_all(&store, LEASE).await;
+    store.release_claims(&tokens(&claimed)).await.unwrap();
+    assert_eq!(
+        store.mark_processing(&tokens(&claimed), NO_GRACE).await.unwrap(),
+        0
+    );
+    assert_eq!(status_of(&store, "late").await, ActivationStatus::Pending);
+
+    // Nor after the row was claimed again by someone else.
+    let again = claim_all(&store, LEASE).await;
+    assert_eq!(
+        store.mark_processing(&tokens(&claimed), NO_GRACE).await.unwrap(),
+        0
+    );
+    let stored = fetch(&store, "late").await;
+    assert_eq!(stored.status, ActivationStatus::Claimed);
+    assert_eq!(stored.claim_expires_at, again[0].claim_expires_at);
+}
+
+async fn undo_claim_is_fenced(store: Store) {
+    insert(store.as_ref(), &[row("u")]).await;
+    let first = claim_all(&store, LEASE).await;
+    let token = first[0].claim_token().unwrap();
+    assert!(store.undo_claim(&token).await.unwrap());
+    assert_eq!(status_of(&store, "u").await, ActivationStatus::Pending);
+    let _second = claim_all(&store, LEASE).await;
+    assert!(!store.undo_claim(&token).await.unwrap());
+    assert_eq!(status_of(&store, "u").await, ActivationStatus::Claimed);
+}
+
+// ---------------------------------------------------------------- pull claims
+
+async fn pull_claim_filters_by_application_and_namespace(store: Store) {
+    let mut other_app = task("other-app");
+    other_app.application = Some("other".into());
+    let mut other_ns = task("other-ns");
+    other_ns.namespace = "elsewhere".into();
+    insert(
+        store.as_ref(),
+        &[row_from(&other_app), row_from(&other_ns)],
+    )
+    .await;
+    let filter = |application: Option<&str>, namespace: Option<&str>| PullFilter {
+        application: application.map(str::to_owned),
+        namespace: namespace.map(str::to_owned),
+    };
+    // A namespace without an application matches nothing.
+    assert!(
+        store
+            .claim_for_pull(&filter(None, Some("elsewhere")), NO_GRACE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        store
+            .claim_for_pull(&filter(Some("app"), Some("nowhere")), NO_GRACE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let got = store
+        .claim_for_pull(&filter(Some("app"), Some("elsewhere")), Duration::from_secs(2))
+        .await
+        .unwrap()
+        .expect("matching row");
+    assert_eq!(got.id, "other-ns");
+    assert_eq!(got.status, ActivationStatus::Processing);
+    assert!(got.processing_deadline.unwrap() > Utc::now() + TimeDelta::seconds(30));
+
+    let got = store
+        .claim_for_pull(&filter(Some("other"), None), NO_GRACE)
+        .await
+        .unwrap()
+        .expect("matching row");
+    assert_eq!(got.id, "other-app");
+    assert!(
+        store
+            .claim_for_pull(&PullFilter::default(), NO_GRACE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+async fn pull_claim_skips_expired_rows(store: Store) {
+    let mut expired = task("gone");
+    expired.received_at = Some(prost_types::Timestamp {
+        seconds: (now() - TimeDelta::seconds(100)).timestamp(),
+        nanos: 0,
+    });
+    expired.expires = Some(1);
+    insert(store.as_ref(), &[row_from(&expired)]).await;
+    assert!(
+        store
+            .claim_for_pull(&PullFilter::default(), NO_GRACE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    insert(store.as_ref(), &[row("fresh")]).await;
+    let got = store
+        .claim_for_pull(&PullFilter::default(), NO_GRACE)
+        .await
+        .unwrap();
+    assert_eq!(got.map(|row| row.id), Some("fresh".to_owned()));
+}
+
+// ---------------------------------------------------------------- worker results
+
+async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
+    // One row in each status a worker might report on.
+    let processing = processing(&store, "proc", 2).await;
+    insert(store.as_ref(), &[row("claimed")]).await;
+    let held = claim_all(&store, LEASE).await;
+    assert_eq!(ids(&held), ["claimed"]);
+    insert(
+        store.as_ref(),
+        &[
+            row("pending"),
+            with_status(row("complete"), ActivationStatus::Complete),
+        ],
+    )
+    .await;
+
+    let outcome = store
+        .set_status(&[
+            StatusUpdate::new("claimed", WorkerStatus::Complete),
+            StatusUpdate::new(processing[0].clone(), WorkerStatus::Failure),
+            StatusUpdate::new(processing[1].clone(), WorkerStatus::Retry),
+            StatusUpdate::new("complete", WorkerStatus::Retry),
+            StatusUpdate::new("pending", WorkerStatus::Complete),
+            StatusUpdate::new("missing", WorkerStatus::Complete),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        StatusUpdateOutcome {
+            updated: 3,
+            ignored: 2,
+            missing: 1
+        }
+    );
+    assert_eq!(status_of(&store, "claimed").await, ActivationStatus::Complete);
+    assert_eq!(status_of(&store, &processing[0]).await, ActivationStatus::Failure);
+    assert_eq!(status_of(&store, &processing[1]).await, ActivationStatus::Retry);
+    assert_eq!(status_of(&store, "complete").await, ActivationStatus::Complete);
+    assert_eq!(status_of(&store, "pending").await, ActivationStatus::Pending);
+}
+
+async fn repeated_status_updates_are_idempotent(store: Store) {
+    let ids = processing(&store, "twice", 1).await;
+    let update = [StatusUpdate::new(ids[0].clone(), WorkerStatus::Complete)];
+    let first = store.set_status(&update).await.unwrap();
+    let second = store.set_status(&update).await.unwrap();
+    assert_eq!((first.updated, second.updated, second.ignored), (1, 0, 1));
+    store.remove_completed(100).await.unwrap();
+    let third = store.set_status(&update).await.unwrap();
+    assert_eq!(third.missing, 1);
+}
+
+async fn retry_update_rewrites_retry_state(store: Store) {
+    let ids = processing(&store, "edit", 2).await;
+    let mut edit = StatusUpdate::new(ids[0].clone(), WorkerStatus::Retry);
+    edit.max_attempts = Some(9);
+    edit.delay_on_retry = Some(30);
+    let outcome = store
+        .set_status(&[edit, StatusUpdate::new(ids[1].clone(), WorkerStatus::Retry)])
+        .await
+        .unwrap();
+    assert_eq!(outcome.updated, 2);
+    let edited = fetch(&store, &ids[0]).await;
+    assert_eq!(edited.status, ActivationStatus::Retry);
+    let state = TaskActivation::decode(edited.activation.as_slice())
+        .unwrap()
+        .retry_state
+        .unwrap();
+    assert_eq!((state.max_attempts, state.delay_on_retry), (9, Some(30)));
+    let plain = fetch(&store, &ids[1]).await;
+    let state = TaskActivation::decode(plain.activation.as_slice())
+        .unwrap()
+        .retry_state
+        .unwrap();
+    assert_eq!((state.max_attempts, state.delay_on_retry), (3, None));
+}
+
+async fn retry_edit_ignored_for_rows_not_handed_out(store: Store) {
+    let original = row("idle");
+    insert(store.as_ref(), std::slice::from_ref(&original)).await;
+    let mut edit = StatusUpdate::new("idle", WorkerStatus::Retry);
+    edit.max_attempts = Some(99);
+    let outcome = store.set_status(&[edit]).await.unwrap();
+    assert_eq!(outcome.ignored, 1);
+    assert_eq!(fetch(&store, "idle").await, original);
+}
+
+async fn delete_batch_removes_rows(store: Store) {
+    insert(store.as_ref(), &rows("del", 3)).await;
+    let deleted = store
+        .delete_batch(&["del-0".into(), "del-2".into(), "nope".into()])
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2);
+    assert!(store.get("del-0").await.unwrap().is_none());
+    assert!(store.get("del-1").await.unwrap().is_some());
+}
+
+// ---------------------------------------------------------------- upkeep
+
+async fn expired_claims_return_to_pending_without_an_attempt(store: Store) {
+    insert(store.as_ref(), &rows("e", 2)).await;
+    let short = store
+        .claim_for_push(BucketRange::ALL, 1, Duration::ZERO)
+        .await
+        .unwrap();
+    let long = store
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(store.release_expired_claims(100).await.unwrap(), 1);
+    let released = fetch(&store, &short[0].id).await;
+    assert_eq!(released.status, ActivationStatus::Pending);
+    assert_eq!(released.processing_attempts, 0);
+    assert_eq!(status_of(&store, &long[0].id).await, ActivationStatus::Claimed);
+}
+
+async fn deadline_overrun_returns_to_pending_with_an_attempt(store: Store) {
+    let mut quick = task("quick");
+    quick.processing_deadline_duration = 0;
+    insert(store.as_ref(), &[row_from(&quick), row("slow")]).await;
+    let claimed = claim_all(&store, LEASE).await;
+    store
+        .mark_processing(&tokens(&claimed), NO_GRACE)
+        .await
+        .unwrap();
+    let outcome = store.handle_processing_deadlines(100).await.unwrap();
+    assert_eq!((outcome.retried, outcome.failed), (1, 0));
+    let overrun = fetch(&store, "quick").await;
+    assert_eq!(overrun.status, ActivationStatus::Pending);
+    assert_eq!(overrun.processing_attempts, 1);
+    assert_eq!(overrun.processing_deadline, None);
+    assert_eq!(status_of(&store, "slow").await, ActivationStatus::Processing);
+}
+
+async fn at_most_once_deadline_overrun_fails(store: Store) {
+    let mut once = task("once");
+    once.processing_deadline_duration = 0;
+    once.retry_state.as_mut().unwrap().at_most_once = Some(true);
+    insert(store.as_ref(), &[row_from(&once)]).await;
+    store
+        .claim_for_pull(&PullFilter::default(), NO_GRACE)
+        .await
+        .unwrap()
+        .expect("claimed");
+    let outcome = store.handle_processing_deadlines(100).await.unwrap();
+    assert_eq!((outcome.retried, outcome.failed), (0, 1));
+    assert_eq!(status_of(&store, "once").await, ActivationStatus::Failure);
+}
+
+async fn exhausted_attempts_fail(store: Store) {
+    let mut worn = row("worn");
+    worn.processing_attempts = 5;
+    let mut fresh = row("fresh");
+    fresh.processing_attempts = 4;
+    insert(store.as_ref(), &[worn, fresh]).await;
+    assert_eq!(store.fail_exhausted_attempts(5, 100).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "worn").await, ActivationStatus::Failure);
+    assert_eq!(status_of(&store, "fresh").await, ActivationStatus::Pending);
+}
+
+async fn expired_pending_rows_are_removed(store: Store) {
+    let old = now() - TimeDelta::seconds(100);
+    let mut expired = task("expired");
+    expired.received_at = Some(prost_types::Timestamp {
+        seconds: old.timestamp(),
+        nanos: 0,
+    });
+    expired.expires = Some(10);
+    let mut lasting = task("lasting");
+    lasting.expires = Some(3600);
+    // An expired row that is already Processing is not removed: it started in time.
+    let started = with_status(row_from(&{
+        let mut t = expired.clone();
+        t.id = "started".into();
+        t
+    }), ActivationStatus::Processing);
+    insert(
+        store.as_ref(),
+        &[row_from(&expired), row_from(&lasting), row("forever"), started],
+    )
+    .await;
+    assert_eq!(store.remove_expired(100).await.unwrap(), 1);
+    assert!(store.get("expired").await.unwrap().is_none());
+    assert!(store.get("lasting").await.unwrap().is_some());
+    assert!(store.get("forever").await.unwrap().is_some());
+    assert!(store.get("started").await.unwrap().is_some());
+}
+
+async fn delayed_rows_become_pending_when_due(store: Store) {
+    let mut due = row("due");
+    due.status = ActivationStatus::Delay;
+    due.delay_until = Some(now() - TimeDelta::seconds(1));
+    let mut later = row("later");
+    later.status = ActivationStatus::Delay;
+    later.delay_until = Some(now() + TimeDelta::seconds(600));
+    insert(store.as_ref(), &[due, later]).await;
+    assert_eq!(store.release_delayed(100).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "due").await, ActivationStatus::Pending);
+    assert_eq!(status_of(&store, "later").await, ActivationStatus::Delay);
+    assert_eq!(ids(&claim_all(&store, LEASE).await), ["due"]);
+}
+
+async fn retries_are_taken_published_and_removed(store: Store) {
+    insert(
+        store.as_ref(),
+        &[
+            with_status(row("retry-1"), ActivationStatus::Retry),
+            with_status(row("retry-2"), ActivationStatus::Retry),
+            with_status(row("pending"), ActivationStatus::Pending),
+        ],
+    )
+    .await;
+    let taken = store
+        .take_for_publish(PublishKind::Retry, 100, LEASE)
+        .await
+        .unwrap();
+    let mut taken_ids = ids(&taken);
+    taken_ids.sort();
+    assert_eq!(taken_ids, ["retry-1", "retry-2"]);
+    // Nothing is complete until the caller says Kafka acknowledged it.
+    assert_eq!(status_of(&store, "retry-1").await, ActivationStatus::Retry);
+    assert_eq!(store.mark_published(&["retry-1".into()]).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "retry-1").await, ActivationStatus::Complete);
+    assert_eq!(status_of(&store, "retry-2").await, ActivationStatus::Retry);
+    assert_eq!(store.remove_completed(100).await.unwrap(), 1);
+    assert!(store.get("retry-1").await.unwrap().is_none());
+    // mark_published never completes rows that are not Retry or Failure.
+    assert_eq!(store.mark_published(&["pending".into()]).await.unwrap(), 0);
+}
+
+async fn failures_are_dead_lettered_or_discarded(store: Store) {
+    let mut dead = with_status(row("dead"), ActivationStatus::Failure);
+    dead.on_attempts_exceeded = OnAttemptsExceeded::Deadletter;
+    let mut dropped = with_status(row("dropped"), ActivationStatus::Failure);
+    dropped.on_attempts_exceeded = OnAttemptsExceeded::Discard;
+    let unspecified = with_status(row("unspecified"), ActivationStatus::Failure);
+    insert(store.as_ref(), &[dead, dropped, unspecified]).await;
+
+    let taken = store
+        .take_for_publish(PublishKind::DeadLetter, 100, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(ids(&taken), ["dead"]);
+    assert_eq!(store.discard_failures(100).await.unwrap(), 2);
+    assert_eq!(status_of(&store, "dropped").await, ActivationStatus::Complete);
+    assert_eq!(
+        status_of(&store, "unspecified").await,
+        ActivationStatus::Complete
+    );
+    assert_eq!(status_of(&store, "dead").await, ActivationStatus::Failure);
+    assert_eq!(store.mark_published(&ids(&taken)).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "dead").await, ActivationStatus::Complete);
+}
+
+async fn concurrent_publish_takers_never_share_rows(store: Store) {
+    const ROWS: usize = 500;
+    let batch: Vec<_> = rows("pub", ROWS)
+        .into_iter()
+        .map(|row| with_status(row, ActivationStatus::Retry))
+        .collect();
+    insert(store.as_ref(), &batch).await;
+    let mut takers = Vec::new();
+    for _ in 0..8 {
+        let store = Arc::clone(&store);
+        takers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let taken = store
+                    .take_for_publish(PublishKind::Retry, 25, LEASE)
+                    .await
+                    .expect("take");
+                if taken.is_empty() {
+                    return mine;
+                }
+                mine.extend(ids(&taken));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for taker in takers {
+        all.extend(taker.await.unwrap());
+    }
+    let distinct: HashSet<&String> = all.iter().collect();
+    assert_eq!(all.len(), ROWS);
+    assert_eq!(distinct.len(), ROWS);
+}
+
+async fn taken_rows_are_offered_again_after_the_lease(store: Store) {
+    insert(
+        store.as_ref(),
+        &[with_status(row("crashy"), ActivationStatus::Retry)],
+    )
+    .await;
+    // A publisher took it with a lease that has run out (it crashed).
+    let first = store
+        .take_for_publish(PublishKind::Retry, 10, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    let again = store
+        .take_for_publish(PublishKind::Retry, 10, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(ids(&again), ["crashy"]);
+    // While that lease holds, nobody else gets it.
+    assert!(
+        store
+            .take_for_publish(PublishKind::Retry, 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+async fn upkeep_statements_respect_their_limit(store: Store) {
+    let batch: Vec<_> = rows("lim", 10)
+        .into_iter()
+        .map(|row| with_status(row, ActivationStatus::Complete))
+        .collect();
+    insert(store.as_ref(), &batch).await;
+    assert_eq!(store.remove_completed(3).await.unwrap(), 3);
+    assert_eq!(store.remove_completed(100).await.unwrap(), 7);
+
+    insert(store.as_ref(), &rows("claim", 10)).await;
+    store
+        .claim_for_push(BucketRange::ALL, 10, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(store.release_expired_claims(4).await.unwrap(), 4);
+    let retries: Vec<_> = rows("r", 10)
+        .into_iter()
+        .map(|row| with_status(row, ActivationStatus::Retry))
+        .collect();
+    insert(store.as_ref(), &retries).await;
+    assert_eq!(
+        store
+            .take_for_publish(PublishKind::Retry, 6, LEASE)
+            .await
+            .unwrap()
+            .len(),
+        6
+    );
+}
+
+async fn counts_by_status(store: Store) {
+    insert(
+        store.as_ref(),
+        &[
+            row("p1"),
+            row("p2"),
+            with_status(row("f"), ActivationStatus::Failure),
+            with_status(row("c"), ActivationStatus::Complete),
+        ],
+    )
+    .await;
+    store
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap();
+    let counts = store.count_by_status().await.unwrap();
+    assert_eq!(counts.get(ActivationStatus::Pending), 1);
+    assert_eq!(counts.get(ActivationStatus::Claimed), 1);
+    assert_eq!(counts.get(ActivationStatus::Failure), 1);
+    assert_eq!(counts.get(ActivationStatus::Complete), 1);
+    assert_eq!(counts.get(ActivationStatus::Processing), 0);
+    assert_eq!(counts.inflight(), 2);
+    assert_eq!(counts.total(), 4);
+}
+
+async fn max_pending_lag_is_delay_adjusted_and_first_attempt_only(store: Store) {
+    assert_eq!(store.max_pending_lag().await.unwrap(), 0.0);
+    let at = |secs_ago: i64| {
+        let mut t = task(&format!("ago-{secs_ago}"));
+        t.received_at = Some(prost_types::Timestamp {
+            seconds: (now() - TimeDelta::seconds(secs_ago)).timestamp(),
+            nanos: 0,
+        });
+        t
+    };
+    insert(store.as_ref(), &[row_from(&at(100))]).await;
+    let lag = store.max_pending_lag().await.unwrap();
+    assert!((99.0..110.0).contains(&lag), "lag {lag}");
+
+    // Older, but retried once: not a first attempt, not counted.
+    let mut retried = row_from(&at(500));
+    retried.processing_attempts = 1;
+    // Older, but only runnable since its delay ended 20 s ago.
+    let mut delayed = at(1000);
+    delayed.delay = Some(980);
+    // Older, but finished.
+    let done = with_status(row_from(&at(2000)), ActivationStatus::Complete);
+    insert(store.as_ref(), &[retried, row_from(&delayed), done]).await;
+    let lag = store.max_pending_lag().await.unwrap();
+    assert!((99.0..110.0).contains(&lag), "lag {lag}");
+
+    // Claimed rows still count: they are not delivered yet.
+    claim_all(&store, LEASE).await;
+    let lag = store.max_pending_lag().await.unwrap();
+    assert!((99.0..110.0).contains(&lag), "lag {lag}");
+}

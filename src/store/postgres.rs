@@ -176,7 +176,9 @@ macro_rules! columns {
 }
 
 fn activation_from_row(row: &Row) -> StoreResult<InflightActivation> {
-    let id: String = row.try_get(0).map_err(|err| query_error("decode_row", err))?;
+    let id: String = row
+        .try_get(0)
+        .map_err(|err| query_error("decode_row", err))?;
     let get = |err: tokio_postgres::Error| StoreError::InvalidRow {
         id: id.clone(),
         column: "row",
@@ -191,13 +193,14 @@ fn activation_from_row(row: &Row) -> StoreResult<InflightActivation> {
             value,
         })?;
     let on_attempts_exceeded: i32 = row.try_get(18).map_err(get)?;
-    let on_attempts_exceeded = OnAttemptsExceeded::from_i32(on_attempts_exceeded).ok_or_else(|| {
-        StoreError::InvalidRow {
-            id: id.clone(),
-            column: "on_attempts_exceeded",
-            value: on_attempts_exceeded.to_string(),
-        }
-    })?;
+    let on_attempts_exceeded =
+        OnAttemptsExceeded::from_i32(on_attempts_exceeded).ok_or_else(|| {
+            StoreError::InvalidRow {
+                id: id.clone(),
+                column: "on_attempts_exceeded",
+                value: on_attempts_exceeded.to_string(),
+            }
+        })?;
     Ok(InflightActivation {
         activation: row.try_get(1).map_err(get)?,
         topic: row.try_get(2).map_err(get)?,
@@ -365,7 +368,8 @@ macro_rules! take_for_publish {
     };
 }
 const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
-const TAKE_DEAD_LETTERS: &str = take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
+const TAKE_DEAD_LETTERS: &str =
+    take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
 
 const DISCARD_FAILURES: &str = "WITH picked AS MATERIALIZED (SELECT id \
        FROM inflight_taskactivations WHERE status = 'Failure' AND on_attempts_exceeded <> 2 \
@@ -444,7 +448,10 @@ impl ActivationStore for PostgresStore {
         let attempts: Vec<i32> = rows.iter().map(|r| r.processing_attempts).collect();
         let expires: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.expires_at).collect();
         let delays: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.delay_until).collect();
-        let durations: Vec<i32> = rows.iter().map(|r| r.processing_deadline_duration).collect();
+        let durations: Vec<i32> = rows
+            .iter()
+            .map(|r| r.processing_deadline_duration)
+            .collect();
         let deadlines: Vec<Option<DateTime<Utc>>> =
             rows.iter().map(|r| r.processing_deadline).collect();
         let claims: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.claim_expires_at).collect();
@@ -459,39 +466,34 @@ impl ActivationStore for PostgresStore {
             .collect();
         let buckets: Vec<i16> = rows.iter().map(|r| r.bucket).collect();
 
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(INSERT)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        client
-            .execute(
-                &statement,
-                &[
-                    &ids,
-                    &activations,
-                    &topics,
-                    &partitions,
-                    &offsets,
-                    &added,
-                    &received,
-                    &attempts,
-                    &expires,
-                    &delays,
-                    &durations,
-                    &deadlines,
-                    &claims,
-                    &statuses,
-                    &at_most_once,
-                    &applications,
-                    &namespaces,
-                    &tasknames,
-                    &exceeded,
-                    &buckets,
-                ],
-            )
-            .await
-            .map_err(|e| query_error(OP, e))
+        self.execute(
+            &self.pool,
+            OP,
+            INSERT,
+            &[
+                &ids,
+                &activations,
+                &topics,
+                &partitions,
+                &offsets,
+                &added,
+                &received,
+                &attempts,
+                &expires,
+                &delays,
+                &durations,
+                &deadlines,
+                &claims,
+                &statuses,
+                &at_most_once,
+                &applications,
+                &namespaces,
+                &tasknames,
+                &exceeded,
+                &buckets,
+            ],
+        )
+        .await
     }
 
     async fn claim_for_push(
@@ -504,14 +506,11 @@ impl ActivationStore for PostgresStore {
         if limit_rows == 0 {
             return Ok(Vec::new());
         }
-        let client = self.client(&self.replayable, OP).await?;
-        let statement = client
-            .prepare_cached(CLAIM_FOR_PUSH)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
+        let rows = self
             .query(
-                &statement,
+                &self.replayable,
+                OP,
+                CLAIM_FOR_PUSH,
                 &[
                     &buckets.first,
                     &buckets.last,
@@ -519,8 +518,7 @@ impl ActivationStore for PostgresStore {
                     &micros(lease),
                 ],
             )
-            .await
-            .map_err(|e| query_error(OP, e))?;
+            .await?;
         let mut claimed = activations_from_rows(&rows)?;
         // RETURNING has no order; hand them out oldest first.
         claimed.sort_by(|a, b| a.added_at.cmp(&b.added_at));
@@ -539,22 +537,18 @@ impl ActivationStore for PostgresStore {
             (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
             (None, Some(_)) => return Ok(None),
         };
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
+        let rows = self
             .query(
-                &statement,
+                &self.pool,
+                OP,
+                sql,
                 &[
                     &deadline_grace.as_secs_f64(),
                     &filter.application,
                     &filter.namespace,
                 ],
             )
-            .await
-            .map_err(|e| query_error(OP, e))?;
+            .await?;
         rows.first().map(activation_from_row).transpose()
     }
 
@@ -564,15 +558,8 @@ impl ActivationStore for PostgresStore {
             return Ok(0);
         }
         let (ids, expiries) = split_tokens(claims);
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(RELEASE_CLAIMS)
+        self.execute(&self.pool, OP, RELEASE_CLAIMS, &[&ids, &expiries])
             .await
-            .map_err(|e| query_error(OP, e))?;
-        client
-            .execute(&statement, &[&ids, &expiries])
-            .await
-            .map_err(|e| query_error(OP, e))
     }
 
     async fn mark_processing(
@@ -585,18 +572,13 @@ impl ActivationStore for PostgresStore {
             return Ok(0);
         }
         let (ids, expiries) = split_tokens(claims);
-        let client = self.client(&self.replayable, OP).await?;
-        let statement = client
-            .prepare_cached(MARK_PROCESSING)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        client
-            .execute(
-                &statement,
-                &[&ids, &expiries, &deadline_grace.as_secs_f64()],
-            )
-            .await
-            .map_err(|e| query_error(OP, e))
+        self.execute(
+            &self.replayable,
+            OP,
+            MARK_PROCESSING,
+            &[&ids, &expiries, &deadline_grace.as_secs_f64()],
+        )
+        .await
     }
 
     async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome> {
@@ -612,10 +594,7 @@ impl ActivationStore for PostgresStore {
         let edits: Vec<&StatusUpdate> = updates.iter().filter(|u| u.edits_retry_state()).collect();
 
         let mut client = self.client(&self.pool, OP).await?;
-        let transaction = client
-            .transaction()
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let transaction = client.transaction().await.map_err(|e| query_error(OP, e))?;
         if !edits.is_empty() {
             let edit_ids: Vec<&str> = edits.iter().map(|u| u.id.as_str()).collect();
             let locked = transaction
@@ -692,15 +671,14 @@ impl ActivationStore for PostgresStore {
 
     async fn handle_processing_deadlines(&self, limit_rows: usize) -> StoreResult<DeadlineOutcome> {
         const OP: &str = "handle_processing_deadlines";
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(HANDLE_PROCESSING_DEADLINES)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
-            .query(&statement, &[&limit(limit_rows)])
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let rows = self
+            .query(
+                &self.pool,
+                OP,
+                HANDLE_PROCESSING_DEADLINES,
+                &[&limit(limit_rows)],
+            )
+            .await?;
         let mut outcome = DeadlineOutcome::default();
         for row in &rows {
             let at_most_once: bool = row.try_get(0).map_err(|e| query_error(OP, e))?;
@@ -713,7 +691,11 @@ impl ActivationStore for PostgresStore {
         Ok(outcome)
     }
 
-    async fn fail_exhausted_attempts(&self, max_attempts: u32, limit_rows: usize) -> StoreResult<u64> {
+    async fn fail_exhausted_attempts(
+        &self,
+        max_attempts: u32,
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
         let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
         self.execute(
             &self.pool,
@@ -755,15 +737,9 @@ impl ActivationStore for PostgresStore {
             PublishKind::Retry => TAKE_RETRIES,
             PublishKind::DeadLetter => TAKE_DEAD_LETTERS,
         };
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
-            .query(&statement, &[&limit(limit_rows), &micros(lease)])
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let rows = self
+            .query(&self.pool, OP, sql, &[&limit(limit_rows), &micros(lease)])
+            .await?;
         activations_from_rows(&rows)
     }
 
@@ -797,26 +773,19 @@ impl ActivationStore for PostgresStore {
 
     async fn count_by_status(&self) -> StoreResult<StatusCounts> {
         const OP: &str = "count_by_status";
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(COUNT_BY_STATUS)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
-            .query(&statement, &[])
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let rows = self.query(&self.pool, OP, COUNT_BY_STATUS, &[]).await?;
         let mut counts = StatusCounts::default();
         for row in &rows {
             let status: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
             let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
-            let status = status
-                .parse::<ActivationStatus>()
-                .map_err(|value| StoreError::InvalidRow {
-                    id: String::from("(count)"),
-                    column: "status",
-                    value,
-                })?;
+            let status =
+                status
+                    .parse::<ActivationStatus>()
+                    .map_err(|value| StoreError::InvalidRow {
+                        id: String::from("(count)"),
+                        column: "status",
+                        value,
+                    })?;
             counts.set(status, u64::try_from(count).unwrap_or(0));
         }
         Ok(counts)
@@ -824,34 +793,41 @@ impl ActivationStore for PostgresStore {
 
     async fn max_pending_lag(&self) -> StoreResult<f64> {
         const OP: &str = "max_pending_lag";
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(MAX_PENDING_LAG)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let row = client
-            .query_one(&statement, &[])
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let rows = self.query(&self.pool, OP, MAX_PENDING_LAG, &[]).await?;
+        let row = rows.first().ok_or(StoreError::Query {
+            operation: OP,
+            message: "aggregate returned no row".to_owned(),
+        })?;
         row.try_get(0).map_err(|e| query_error(OP, e))
     }
 
     async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
         const OP: &str = "get";
-        let client = self.client(&self.pool, OP).await?;
-        let statement = client
-            .prepare_cached(GET)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let rows = client
-            .query(&statement, &[&id])
-            .await
-            .map_err(|e| query_error(OP, e))?;
+        let rows = self.query(&self.pool, OP, GET, &[&id]).await?;
         rows.first().map(activation_from_row).transpose()
     }
 }
 
 impl PostgresStore {
+    /// Runs one prepared statement and returns its rows.
+    async fn query(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
+        let client = self.client(pool, operation).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(operation, e))?;
+        client
+            .query(&statement, params)
+            .await
+            .map_err(|e| query_error(operation, e))
+    }
+
     /// Runs one prepared statement and returns the rows it affected.
     async fn execute(
         &self,

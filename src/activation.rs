@@ -64,23 +64,25 @@ pub fn inflight_from_record(
     if bytes.is_empty() {
         return Err(ActivationError::EmptyPayload);
     }
-    let activation =
-        TaskActivation::decode(bytes).map_err(|err| ActivationError::Undecodable(err.to_string()))?;
+    let activation = TaskActivation::decode(bytes)
+        .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
     if activation.id.is_empty() {
         return Err(ActivationError::EmptyId);
     }
-    let retry_state = activation.retry_state.clone().unwrap_or_default();
+    let retry_state = activation.retry_state.unwrap_or_default();
     let on_attempts_exceeded = OnAttemptsExceeded::from_i32(retry_state.on_attempts_exceeded)
         .ok_or(ActivationError::UnknownOnAttemptsExceeded(
             retry_state.on_attempts_exceeded,
         ))?;
     let received_at = match &activation.received_at {
         None => now,
-        Some(ts) => DateTime::from_timestamp(ts.seconds, u32::try_from(ts.nanos).unwrap_or(u32::MAX))
-            .ok_or(ActivationError::InvalidReceivedAt {
-                seconds: ts.seconds,
-                nanos: ts.nanos,
-            })?,
+        Some(ts) => {
+            DateTime::from_timestamp(ts.seconds, u32::try_from(ts.nanos).unwrap_or(u32::MAX))
+                .ok_or(ActivationError::InvalidReceivedAt {
+                    seconds: ts.seconds,
+                    nanos: ts.nanos,
+                })?
+        }
     };
     let expires_at = activation
         .expires
@@ -97,12 +99,10 @@ pub fn inflight_from_record(
         Some(until) if until > now => ActivationStatus::Delay,
         _ => ActivationStatus::Pending,
     };
-    let processing_deadline_duration =
-        i32::try_from(activation.processing_deadline_duration).map_err(|_| {
-            ActivationError::OutOfRange {
-                field: "processing_deadline_duration",
-                value: activation.processing_deadline_duration,
-            }
+    let processing_deadline_duration = i32::try_from(activation.processing_deadline_duration)
+        .map_err(|_| ActivationError::OutOfRange {
+            field: "processing_deadline_duration",
+            value: activation.processing_deadline_duration,
         })?;
     Ok(InflightActivation {
         bucket: bucket_for_id(&activation.id),
@@ -147,8 +147,8 @@ pub fn rewrite_retry_state(
     max_attempts: Option<u32>,
     delay_on_retry: Option<u64>,
 ) -> Result<Vec<u8>, ActivationError> {
-    let mut activation =
-        TaskActivation::decode(bytes).map_err(|err| ActivationError::Undecodable(err.to_string()))?;
+    let mut activation = TaskActivation::decode(bytes)
+        .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
     let retry_state = activation.retry_state.get_or_insert_with(Default::default);
     if let Some(max_attempts) = max_attempts {
         retry_state.max_attempts = max_attempts;
@@ -208,7 +208,10 @@ mod tests {
         let received = DateTime::from_timestamp(1_700_000_000, 5_000).unwrap();
         assert_eq!(row.id, activation.id);
         assert_eq!(row.activation, bytes);
-        assert_eq!((row.topic.as_str(), row.partition, row.kafka_offset), ("tasks", 3, 42));
+        assert_eq!(
+            (row.topic.as_str(), row.partition, row.kafka_offset),
+            ("tasks", 3, 42)
+        );
         assert_eq!(row.received_at, received);
         assert_eq!(row.added_at, now());
         assert_eq!(row.expires_at, Some(received + TimeDelta::seconds(60)));
@@ -225,8 +228,8 @@ mod tests {
     fn missing_received_at_and_application_default() {
         let mut activation = base_activation();
         activation.received_at = None;
-        let row =
-            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        let row = inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY)
+            .unwrap();
         assert_eq!(row.received_at, now());
         assert_eq!(row.application, "");
         assert!(!row.at_most_once);
@@ -237,8 +240,8 @@ mod tests {
     fn future_delay_is_capped_and_stored_as_delay() {
         let mut activation = base_activation();
         activation.delay = Some(10 * 3600);
-        let row =
-            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        let row = inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY)
+            .unwrap();
         let received = DateTime::from_timestamp(1_700_000_000, 5_000).unwrap();
         assert_eq!(row.delay_until, Some(received + TimeDelta::seconds(3600)));
         assert_eq!(row.status, ActivationStatus::Delay);
@@ -248,8 +251,8 @@ mod tests {
     fn delay_already_passed_is_pending() {
         let mut activation = base_activation();
         activation.delay = Some(5);
-        let row =
-            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY).unwrap();
+        let row = inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY)
+            .unwrap();
         assert_eq!(row.status, ActivationStatus::Pending);
         assert!(row.delay_until.is_some());
     }
@@ -258,11 +261,17 @@ mod tests {
     fn invalid_input_is_a_typed_error() {
         let err = |bytes: &[u8]| inflight_from_record(bytes, position(), now(), MAX_DELAY);
         assert_eq!(err(&[]).unwrap_err(), ActivationError::EmptyPayload);
-        assert!(matches!(err(&[0xff, 0xff, 0xff]).unwrap_err(), ActivationError::Undecodable(_)));
+        assert!(matches!(
+            err(&[0xff, 0xff, 0xff]).unwrap_err(),
+            ActivationError::Undecodable(_)
+        ));
 
         let mut no_id = base_activation();
         no_id.id.clear();
-        assert_eq!(err(&no_id.encode_to_vec()).unwrap_err(), ActivationError::EmptyId);
+        assert_eq!(
+            err(&no_id.encode_to_vec()).unwrap_err(),
+            ActivationError::EmptyId
+        );
 
         let mut bad_enum = base_activation();
         bad_enum.retry_state = Some(RetryState {
@@ -320,8 +329,11 @@ mod tests {
         let rewritten =
             rewrite_retry_state(&activation.encode_to_vec(), Some(9), Some(15)).unwrap();
         let decoded = TaskActivation::decode(rewritten.as_slice()).unwrap();
-        let state = decoded.retry_state.clone().unwrap();
-        assert_eq!((state.attempts, state.max_attempts, state.delay_on_retry), (2, 9, Some(15)));
+        let state = decoded.retry_state.unwrap();
+        assert_eq!(
+            (state.attempts, state.max_attempts, state.delay_on_retry),
+            (2, 9, Some(15))
+        );
         assert_eq!(decoded.id, activation.id);
         assert_eq!(decoded.received_at, activation.received_at);
     }

@@ -21,7 +21,11 @@ use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "taskbroker", version, about = "Kafka-fed task broker delivering to gRPC workers")]
+#[command(
+    name = "taskbroker",
+    version,
+    about = "Kafka-fed task broker delivering to gRPC workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -50,7 +54,7 @@ fn main() -> ExitCode {
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(err) => {
-            eprintln!("taskbroker: invalid configuration:\n{err}");
+            eprintln!("taskbroker: {err}");
             return ExitCode::from(2);
         }
     };
@@ -80,8 +84,12 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(config: &Config) -> Result<(), String> {
-    let filter = EnvFilter::try_new(&config.log)
-        .map_err(|err| format!("TASKBROKER_LOG={}: not a valid log filter: {err}", config.log))?;
+    let filter = EnvFilter::try_new(&config.log).map_err(|err| {
+        format!(
+            "TASKBROKER_LOG={}: not a valid log filter: {err}",
+            config.log
+        )
+    })?;
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match config.log_format {
         LogFormat::Json => builder.json().init(),
@@ -93,9 +101,11 @@ fn init_logging(config: &Config) -> Result<(), String> {
 /// Opens the configured store. Only PostgreSQL exists so far.
 fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
     let Some(url) = &config.database_url else {
-        return Err("TASKBROKER_DATABASE_URL is not set and this build has no embedded SQLite \
+        return Err(
+            "TASKBROKER_DATABASE_URL is not set and this build has no embedded SQLite \
                     store yet: set TASKBROKER_DATABASE_URL=postgres://user@host:5432/db"
-            .to_owned());
+                .to_owned(),
+        );
     };
     let store = PostgresStore::connect(&PostgresStoreConfig {
         url: url.clone(),

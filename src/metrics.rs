@@ -61,7 +61,10 @@ impl Metrics {
         )
         .expect("valid metric definition");
         let build_info = IntGaugeVec::new(
-            Opts::new("taskbroker_build_info", "Always 1; labelled with the version."),
+            Opts::new(
+                "taskbroker_build_info",
+                "Always 1; labelled with the version.",
+            ),
             &["version"],
         )
         .expect("valid metric definition");

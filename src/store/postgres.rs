@@ -521,7 +521,7 @@ impl ActivationStore for PostgresStore {
             .await?;
         let mut claimed = activations_from_rows(&rows)?;
         // RETURNING has no order; hand them out oldest first.
-        claimed.sort_by(|a, b| a.added_at.cmp(&b.added_at));
+        claimed.sort_by_key(|row| row.added_at);
         Ok(claimed)
     }
 

@@ -313,7 +313,10 @@ mod tests {
             counts[bucket_for_id(&id) as usize] += 1;
         }
         let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
-        assert!(*min > 100 && *max < 320, "uneven buckets: min {min} max {max}");
+        assert!(
+            *min > 100 && *max < 320,
+            "uneven buckets: min {min} max {max}"
+        );
     }
 
     #[test]

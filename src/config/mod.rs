@@ -10,7 +10,13 @@
 //!
 //! This module is a leaf: it imports nothing from the rest of the crate.
 
-use std::collections::{BTreeMap, HashMap};
+mod endpoints;
+mod reference;
+
+pub use endpoints::WorkerEndpoints;
+pub use reference::reference_markdown;
+
+use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -500,129 +506,6 @@ word_enum! {
     }
 }
 
-/// Push routing: application → worker URLs, with an optional `*` fallback.
-///
-/// Format: entries separated by `;`, each `application=url`, several URLs for one application
-/// separated by `|`; the application `*` serves every application without its own entry.
-/// Example: `billing=http://billing-0:50052|http://billing-1:50052;*=http://worker:50052`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct WorkerEndpoints {
-    by_application: BTreeMap<String, Vec<String>>,
-    fallback: Option<Vec<String>>,
-}
-
-impl WorkerEndpoints {
-    /// The application name that matches every application without its own entry.
-    pub const FALLBACK: &'static str = "*";
-
-    /// Parses the format above; the error says which entry is wrong and why.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let mut endpoints = Self::default();
-        for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
-            let Some((application, urls)) = entry.split_once('=') else {
-                return Err(format!("entry `{entry}` has no `=`"));
-            };
-            let application = application.trim();
-            if application.is_empty() || application.contains(char::is_whitespace) {
-                return Err(format!(
-                    "entry `{entry}` needs an application name without spaces before `=`"
-                ));
-            }
-            let urls = urls
-                .split('|')
-                .map(|url| check_http_url(url.trim()).map(str::to_owned))
-                .collect::<Result<Vec<_>, _>>()?;
-            if application == Self::FALLBACK {
-                if endpoints.fallback.replace(urls).is_some() {
-                    return Err("application `*` appears twice".to_owned());
-                }
-            } else if endpoints
-                .by_application
-                .insert(application.to_owned(), urls)
-                .is_some()
-            {
-                return Err(format!("application `{application}` appears twice"));
-            }
-        }
-        if endpoints.is_empty() {
-            return Err("no entries".to_owned());
-        }
-        Ok(endpoints)
-    }
-
-    /// The URLs to push `application`'s activations to: its own entry, else the `*` entry.
-    pub fn endpoints_for(&self, application: &str) -> Option<&[String]> {
-        self.by_application
-            .get(application)
-            .or(self.fallback.as_ref())
-            .map(Vec::as_slice)
-    }
-
-    /// The URLs of the `*` entry.
-    pub fn fallback(&self) -> Option<&[String]> {
-        self.fallback.as_deref()
-    }
-
-    /// Applications with their own entry, sorted by name.
-    pub fn applications(&self) -> impl Iterator<Item = (&str, &[String])> {
-        self.by_application
-            .iter()
-            .map(|(application, urls)| (application.as_str(), urls.as_slice()))
-    }
-
-    /// Every distinct URL, sorted: one channel each is enough.
-    pub fn all_urls(&self) -> Vec<&str> {
-        let mut urls: Vec<&str> = self
-            .by_application
-            .values()
-            .chain(self.fallback.as_ref())
-            .flatten()
-            .map(String::as_str)
-            .collect();
-        urls.sort_unstable();
-        urls.dedup();
-        urls
-    }
-
-    /// True when no application is routed at all.
-    pub fn is_empty(&self) -> bool {
-        self.by_application.is_empty() && self.fallback.is_none()
-    }
-}
-
-/// The canonical form: applications sorted, `*` last; it parses back to the same value.
-impl fmt::Display for WorkerEndpoints {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let fallback = self.fallback.as_deref().map(|urls| (Self::FALLBACK, urls));
-        let entries = self.applications().chain(fallback);
-        for (i, (application, urls)) in entries.enumerate() {
-            if i > 0 {
-                f.write_str(";")?;
-            }
-            write!(f, "{application}={}", urls.join("|"))?;
-        }
-        Ok(())
-    }
-}
-
-fn check_http_url(url: &str) -> Result<&str, String> {
-    let rest = url
-        .strip_prefix("http://")
-        .or_else(|| url.strip_prefix("https://"));
-    match rest {
-        None => Err(format!(
-            "URL `{url}` does not start with `http://` or `https://`"
-        )),
-        Some(rest) if rest.is_empty() || rest.starts_with('/') => {
-            Err(format!("URL `{url}` has no host"))
-        }
-        Some(_) if url.contains(char::is_whitespace) => {
-            Err(format!("URL `{url}` contains whitespace"))
-        }
-        Some(_) => Ok(url),
-    }
-}
-
 /// The validated configuration. Built only by [`Config::from_lookup`] / [`Config::from_env`] in
 /// production; fields are public so tests can adjust a parsed config.
 #[derive(Clone, PartialEq, Eq)]
@@ -918,7 +801,7 @@ impl Problem {
         Self {
             variable: format!("{ENV_PREFIX}{name}"),
             value: String::new(),
-            message: format!("internal error in src/config.rs: {message}"),
+            message: format!("internal error in src/config/mod.rs: {message}"),
         }
     }
 }
@@ -1368,97 +1251,4 @@ fn code_list(words: &[&str], suffix: &str, separator: &str) -> String {
         .map(|word| format!("`{word}{suffix}`"))
         .collect::<Vec<_>>()
         .join(separator)
-}
-
-const MARKDOWN_INTRO: &str = "\
-The broker reads these environment variables at startup; a bad value stops it with a message \
-naming the variable, the value and what is allowed. `taskbroker config` prints the effective \
-configuration with secrets redacted.
-
-This file is generated from `src/config.rs`: regenerate it with
-`cargo run -- config --markdown > docs/configuration.md`.
-
-";
-
-const MARKDOWN_FORMATS: &str = "
-## Formats
-
-- An empty value counts as unset; surrounding whitespace is ignored.
-- Durations are whole numbers in the unit their name ends with: `_MS` milliseconds, `_SEC` seconds.
-- `TASKBROKER_WORKER_ENDPOINTS`: entries separated by `;`, each `application=url`; several URLs
-  for one application are separated by `|` and pushes are spread over them; the application `*`
-  serves every application without its own entry. Example:
-  `billing=http://billing-0:50052|http://billing-1:50052;*=http://worker:50052`.
-- `TASKBROKER_KAFKA_CONFIG`: comma-separated `key=value` librdkafka properties applied to the
-  consumer and the producers, e.g.
-  `security.protocol=SASL_SSL,sasl.mechanism=PLAIN,sasl.username=broker,sasl.password=...`.
-- `TASKBROKER_GRPC_SHARED_SECRETS`: comma-separated. To rotate, append the new secret everywhere,
-  then move it first (pushes are signed with the first), then remove the old one.
-
-## Claim lease
-
-A claimed activation must not return to Pending while its push may still succeed, so the
-default lease covers the longest legitimate time between a claim and its push result:
-
-```text
-  PUSH_QUEUE_TIMEOUT_MS                                          submitting to a full push pool
-+ ceil(PUSH_QUEUE_SIZE / PUSH_CONCURRENCY) * PUSH_TIMEOUT_MS     waiting behind busy push slots
-+ PUSH_TIMEOUT_MS                                                its own push
-+ 5000                                                           the mark-processing write
-```
-
-";
-
-const MARKDOWN_LEASE_AND_COMMIT: &str = "\
-`TASKBROKER_CLAIM_LEASE_MS` overrides it; a value below `PUSH_QUEUE_TIMEOUT_MS + PUSH_TIMEOUT_MS`
-is refused. A longer lease only delays redelivery after a broker crash; a lease that is too short
-delivers tasks twice.
-
-## Asynchronous commit
-
-With `TASKBROKER_DB_ASYNC_COMMIT=true` the transitions that a lease or a deadline would replay
-anyway (claim, mark processing, removal of finished rows) commit without waiting for the
-database's write-ahead log flush. After a database crash some tasks run twice; none is lost,
-because inserts of consumed activations always commit durably before their offsets.
-";
-
-/// The full content of `docs/configuration.md`, generated from [`SETTINGS`].
-pub fn reference_markdown() -> String {
-    fn cell(text: &str) -> String {
-        text.replace('|', "\\|")
-    }
-    let mut out = String::from("# Configuration\n\n");
-    out.push_str(MARKDOWN_INTRO);
-    out.push_str("| Variable | Default | Allowed | Description |\n");
-    out.push_str("|---|---|---|---|\n");
-    for setting in SETTINGS {
-        let default = if setting.default.is_empty() {
-            "unset".to_owned()
-        } else {
-            format!("`{}`", setting.default)
-        };
-        let mut description = setting.description.to_owned();
-        if setting.secret {
-            description.push_str(" Secret: never printed.");
-        }
-        let _ = writeln!(
-            out,
-            "| `{}` | {} | {} | {} |",
-            setting.variable(),
-            cell(&default),
-            cell(&setting.allowed.describe()),
-            cell(&description),
-        );
-    }
-    out.push_str(MARKDOWN_FORMATS);
-    // Computed, so the example cannot go stale when a default changes.
-    if let Ok(defaults) = Config::from_lookup(|_| None) {
-        let _ = writeln!(
-            out,
-            "With the defaults that is {} ms.",
-            defaults.claim_lease().as_millis()
-        );
-    }
-    out.push_str(MARKDOWN_LEASE_AND_COMMIT);
-    out
 }

@@ -137,10 +137,7 @@ async fn insert_is_idempotent_and_counts_new_rows(store: Store) {
     again.push(row("b"));
     assert_eq!(store.insert_batch(&again).await.unwrap(), 1);
     // Duplicates inside one batch are fine too.
-    assert_eq!(
-        store.insert_batch(&[row("c"), row("c")]).await.unwrap(),
-        1
-    );
+    assert_eq!(store.insert_batch(&[row("c"), row("c")]).await.unwrap(), 1);
     assert_eq!(store.count_by_status().await.unwrap().total(), 5);
 }
 
@@ -334,7 +331,10 @@ async fn mark_processing_sets_the_deadline(store: Store) {
     let before = Utc::now();
     let grace = Duration::from_secs(5);
     assert_eq!(
-        store.mark_processing(&tokens(&claimed), grace).await.unwrap(),
+        store
+            .mark_processing(&tokens(&claimed), grace)
+            .await
+            .unwrap(),
         1
     );
     let stored = fetch(&store, "d").await;
@@ -350,7 +350,10 @@ async fn mark_processing_after_release_changes_nothing(store: Store) {
     let claimed = claim_all(&store, LEASE).await;
     store.release_claims(&tokens(&claimed)).await.unwrap();
     assert_eq!(
-        store.mark_processing(&tokens(&claimed), NO_GRACE).await.unwrap(),
+        store
+            .mark_processing(&tokens(&claimed), NO_GRACE)
+            .await
+            .unwrap(),
         0
     );
     assert_eq!(status_of(&store, "late").await, ActivationStatus::Pending);
@@ -358,7 +361,10 @@ async fn mark_processing_after_release_changes_nothing(store: Store) {
     // Nor after the row was claimed again by someone else.
     let again = claim_all(&store, LEASE).await;
     assert_eq!(
-        store.mark_processing(&tokens(&claimed), NO_GRACE).await.unwrap(),
+        store
+            .mark_processing(&tokens(&claimed), NO_GRACE)
+            .await
+            .unwrap(),
         0
     );
     let stored = fetch(&store, "late").await;
@@ -384,11 +390,7 @@ async fn pull_claim_filters_by_application_and_namespace(store: Store) {
     other_app.application = Some("other".into());
     let mut other_ns = task("other-ns");
     other_ns.namespace = "elsewhere".into();
-    insert(
-        store.as_ref(),
-        &[row_from(&other_app), row_from(&other_ns)],
-    )
-    .await;
+    insert(store.as_ref(), &[row_from(&other_app), row_from(&other_ns)]).await;
     let filter = |application: Option<&str>, namespace: Option<&str>| PullFilter {
         application: application.map(str::to_owned),
         namespace: namespace.map(str::to_owned),
@@ -409,7 +411,10 @@ async fn pull_claim_filters_by_application_and_namespace(store: Store) {
             .is_none()
     );
     let got = store
-        .claim_for_pull(&filter(Some("app"), Some("elsewhere")), Duration::from_secs(2))
+        .claim_for_pull(
+            &filter(Some("app"), Some("elsewhere")),
+            Duration::from_secs(2),
+        )
         .await
         .unwrap()
         .expect("matching row");
@@ -491,11 +496,26 @@ async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
             missing: 1
         }
     );
-    assert_eq!(status_of(&store, "claimed").await, ActivationStatus::Complete);
-    assert_eq!(status_of(&store, &processing[0]).await, ActivationStatus::Failure);
-    assert_eq!(status_of(&store, &processing[1]).await, ActivationStatus::Retry);
-    assert_eq!(status_of(&store, "complete").await, ActivationStatus::Complete);
-    assert_eq!(status_of(&store, "pending").await, ActivationStatus::Pending);
+    assert_eq!(
+        status_of(&store, "claimed").await,
+        ActivationStatus::Complete
+    );
+    assert_eq!(
+        status_of(&store, &processing[0]).await,
+        ActivationStatus::Failure
+    );
+    assert_eq!(
+        status_of(&store, &processing[1]).await,
+        ActivationStatus::Retry
+    );
+    assert_eq!(
+        status_of(&store, "complete").await,
+        ActivationStatus::Complete
+    );
+    assert_eq!(
+        status_of(&store, "pending").await,
+        ActivationStatus::Pending
+    );
 }
 
 async fn repeated_status_updates_are_idempotent(store: Store) {
@@ -571,7 +591,10 @@ async fn expired_claims_return_to_pending_without_an_attempt(store: Store) {
     let released = fetch(&store, &short[0].id).await;
     assert_eq!(released.status, ActivationStatus::Pending);
     assert_eq!(released.processing_attempts, 0);
-    assert_eq!(status_of(&store, &long[0].id).await, ActivationStatus::Claimed);
+    assert_eq!(
+        status_of(&store, &long[0].id).await,
+        ActivationStatus::Claimed
+    );
 }
 
 async fn deadline_overrun_returns_to_pending_with_an_attempt(store: Store) {
@@ -589,7 +612,10 @@ async fn deadline_overrun_returns_to_pending_with_an_attempt(store: Store) {
     assert_eq!(overrun.status, ActivationStatus::Pending);
     assert_eq!(overrun.processing_attempts, 1);
     assert_eq!(overrun.processing_deadline, None);
-    assert_eq!(status_of(&store, "slow").await, ActivationStatus::Processing);
+    assert_eq!(
+        status_of(&store, "slow").await,
+        ActivationStatus::Processing
+    );
 }
 
 async fn at_most_once_deadline_overrun_fails(store: Store) {
@@ -629,14 +655,22 @@ async fn expired_pending_rows_are_removed(store: Store) {
     let mut lasting = task("lasting");
     lasting.expires = Some(3600);
     // An expired row that is already Processing is not removed: it started in time.
-    let started = with_status(row_from(&{
-        let mut t = expired.clone();
-        t.id = "started".into();
-        t
-    }), ActivationStatus::Processing);
+    let started = with_status(
+        row_from(&{
+            let mut t = expired.clone();
+            t.id = "started".into();
+            t
+        }),
+        ActivationStatus::Processing,
+    );
     insert(
         store.as_ref(),
-        &[row_from(&expired), row_from(&lasting), row("forever"), started],
+        &[
+            row_from(&expired),
+            row_from(&lasting),
+            row("forever"),
+            started,
+        ],
     )
     .await;
     assert_eq!(store.remove_expired(100).await.unwrap(), 1);
@@ -680,7 +714,10 @@ async fn retries_are_taken_published_and_removed(store: Store) {
     // Nothing is complete until the caller says Kafka acknowledged it.
     assert_eq!(status_of(&store, "retry-1").await, ActivationStatus::Retry);
     assert_eq!(store.mark_published(&["retry-1".into()]).await.unwrap(), 1);
-    assert_eq!(status_of(&store, "retry-1").await, ActivationStatus::Complete);
+    assert_eq!(
+        status_of(&store, "retry-1").await,
+        ActivationStatus::Complete
+    );
     assert_eq!(status_of(&store, "retry-2").await, ActivationStatus::Retry);
     assert_eq!(store.remove_completed(100).await.unwrap(), 1);
     assert!(store.get("retry-1").await.unwrap().is_none());
@@ -702,7 +739,10 @@ async fn failures_are_dead_lettered_or_discarded(store: Store) {
         .unwrap();
     assert_eq!(ids(&taken), ["dead"]);
     assert_eq!(store.discard_failures(100).await.unwrap(), 2);
-    assert_eq!(status_of(&store, "dropped").await, ActivationStatus::Complete);
+    assert_eq!(
+        status_of(&store, "dropped").await,
+        ActivationStatus::Complete
+    );
     assert_eq!(
         status_of(&store, "unspecified").await,
         ActivationStatus::Complete

@@ -6,6 +6,7 @@
 pub mod activation;
 pub mod actors;
 pub mod config;
+pub mod grpc;
 pub mod metrics;
 pub mod store;
 

@@ -1,0 +1,3 @@
+//! gRPC: request signing shared by the broker's server and its push client.
+
+pub mod signing;

@@ -50,7 +50,7 @@ pub fn verify(secrets: &[String], path: &str, message: &[u8], signature: &str) -
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
     let text = text.as_bytes();
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     let nibble = |c: u8| match c {

@@ -53,6 +53,7 @@ conformance!(
     mark_processing_sets_the_deadline,
     mark_processing_after_release_changes_nothing,
     undo_claim_is_fenced,
+    undeliverable_claims_consume_attempts_until_failure,
     pull_claim_filters_by_application_and_namespace,
     pull_claim_skips_expired_rows,
     status_updates_apply_only_to_claimed_or_processing,
@@ -167,6 +168,7 @@ async fn empty_batches_are_noops(store: Store) {
     );
     assert_eq!(store.delete_batch(&[]).await.unwrap(), 0);
     assert_eq!(store.mark_published(&[]).await.unwrap(), 0);
+    assert_eq!(store.fail_claim_attempt(&[], 5).await.unwrap(), 0);
     assert!(
         store
             .claim_for_push(BucketRange::ALL, 0, LEASE)
@@ -381,6 +383,39 @@ async fn undo_claim_is_fenced(store: Store) {
     let _second = claim_all(&store, LEASE).await;
     assert!(!store.undo_claim(&token).await.unwrap());
     assert_eq!(status_of(&store, "u").await, ActivationStatus::Claimed);
+}
+
+async fn undeliverable_claims_consume_attempts_until_failure(store: Store) {
+    insert(store.as_ref(), &[row("poison")]).await;
+    for attempt in 1..=2 {
+        let claimed = claim_all(&store, LEASE).await;
+        assert_eq!(
+            store
+                .fail_claim_attempt(&tokens(&claimed), 3)
+                .await
+                .unwrap(),
+            1
+        );
+        let stored = fetch(&store, "poison").await;
+        assert_eq!(stored.status, ActivationStatus::Pending);
+        assert_eq!(stored.processing_attempts, attempt);
+    }
+    let claimed = claim_all(&store, LEASE).await;
+    // A stale token changes nothing.
+    let mut stale = tokens(&claimed);
+    stale[0].claim_expires_at -= TimeDelta::microseconds(1);
+    assert_eq!(store.fail_claim_attempt(&stale, 3).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .fail_claim_attempt(&tokens(&claimed), 3)
+            .await
+            .unwrap(),
+        1
+    );
+    let stored = fetch(&store, "poison").await;
+    assert_eq!(stored.status, ActivationStatus::Failure);
+    assert_eq!(stored.processing_attempts, 3);
+    assert!(claim_all(&store, LEASE).await.is_empty());
 }
 
 // ---------------------------------------------------------------- pull claims

@@ -103,6 +103,11 @@ store_messages! {
     MarkProcessing { claims: Vec<ClaimToken>, deadline_grace: Duration } -> u64,
         "mark_processing", |store, msg| store.mark_processing(&msg.claims, msg.deadline_grace);
 
+    /// An undeliverable claim consumes an attempt (fenced).
+    FailClaimAttempt { claims: Vec<ClaimToken>, max_attempts: u32 } -> u64,
+        "fail_claim_attempt",
+        |store, msg| store.fail_claim_attempt(&msg.claims, msg.max_attempts);
+
     /// Worker results (one or a batch).
     SetStatus { updates: Vec<StatusUpdate> } -> StatusUpdateOutcome,
         "set_status", |store, msg| store.set_status(&msg.updates);

@@ -120,6 +120,17 @@ pub trait ActivationStore: Send + Sync + 'static {
         deadline_grace: Duration,
     ) -> StoreResult<u64>;
 
+    /// A claimed activation can never be delivered (no worker serves its
+    /// application, or its stored bytes do not decode): fenced Claimed →
+    /// Pending with one more attempt, or → Failure once that makes
+    /// `max_attempts`, so a poison task ends like any other instead of
+    /// cycling forever. Returns how many rows moved.
+    async fn fail_claim_attempt(
+        &self,
+        claims: &[ClaimToken],
+        max_attempts: u32,
+    ) -> StoreResult<u64>;
+
     /// Worker results. Only rows in Claimed or Processing change; others are
     /// counted as ignored (wrong status) or missing (no such id). RETRY
     /// updates may rewrite `max_attempts` / `delay_on_retry` in the stored

@@ -302,6 +302,12 @@ const MARK_PROCESSING: &str = "UPDATE inflight_taskactivations t SET status = 'P
      FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
      WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
 
+const FAIL_CLAIM_ATTEMPT: &str = "UPDATE inflight_taskactivations t \
+       SET processing_attempts = t.processing_attempts + 1, \
+           status = CASE WHEN t.processing_attempts + 1 >= $3 THEN 'Failure' ELSE 'Pending' END \
+     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
+     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+
 // Counts are over distinct ids; `existing` is read from the statement's
 // snapshot, i.e. before the update.
 const SET_STATUS: &str = "WITH u AS (SELECT DISTINCT ON (id) id, status \
@@ -577,6 +583,26 @@ impl ActivationStore for PostgresStore {
             OP,
             MARK_PROCESSING,
             &[&ids, &expiries, &deadline_grace.as_secs_f64()],
+        )
+        .await
+    }
+
+    async fn fail_claim_attempt(
+        &self,
+        claims: &[ClaimToken],
+        max_attempts: u32,
+    ) -> StoreResult<u64> {
+        const OP: &str = "fail_claim_attempt";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        self.execute(
+            &self.pool,
+            OP,
+            FAIL_CLAIM_ATTEMPT,
+            &[&ids, &expiries, &max_attempts],
         )
         .await
     }

@@ -83,14 +83,24 @@ mod tests {
         let signature = sign("new", PUSH_PATH, b"body");
         let secrets = vec!["old".to_owned(), "new".to_owned()];
         assert!(verify(&secrets, PUSH_PATH, b"body", &signature));
-        assert!(verify(&secrets, PUSH_PATH, b"body", &signature.to_uppercase()));
+        assert!(verify(
+            &secrets,
+            PUSH_PATH,
+            b"body",
+            &signature.to_uppercase()
+        ));
     }
 
     #[test]
     fn rejects_wrong_secret_path_body_or_malformed_hex() {
         let secrets = vec!["super secret".to_owned()];
         let signature = sign("super secret", PUSH_PATH, b"hello");
-        assert!(!verify(&["other".to_owned()], PUSH_PATH, b"hello", &signature));
+        assert!(!verify(
+            &["other".to_owned()],
+            PUSH_PATH,
+            b"hello",
+            &signature
+        ));
         assert!(!verify(&secrets, "/other/Path", b"hello", &signature));
         assert!(!verify(&secrets, PUSH_PATH, b"hellO", &signature));
         assert!(!verify(&secrets, PUSH_PATH, b"hello", &signature[..10]));

@@ -54,6 +54,7 @@ impl PostgresStoreConfig {
 
 pub struct PostgresStore {
     url: String,
+    connect_timeout: Duration,
     /// Durable commits: inserts, worker results, upkeep that publishes.
     pool: Pool,
     /// Transitions that may use asynchronous commit (same pool unless
@@ -73,6 +74,7 @@ impl PostgresStore {
         };
         Ok(PostgresStore {
             url: config.url.clone(),
+            connect_timeout: config.connect_timeout,
             pool,
             replayable,
         })
@@ -127,23 +129,27 @@ fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> StoreResult<P
 /// Connection-level failures are retryable (`Unavailable`); anything the
 /// server rejected about the statement itself is not.
 fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreError {
-    let unavailable = err.is_closed()
-        || match err.code() {
-            None => true,
-            Some(code) => {
-                code.code().starts_with("08")
-                    || [
-                        SqlState::ADMIN_SHUTDOWN,
-                        SqlState::CRASH_SHUTDOWN,
-                        SqlState::CANNOT_CONNECT_NOW,
-                        SqlState::TOO_MANY_CONNECTIONS,
-                    ]
-                    .contains(code)
-            }
-        };
+    let unavailable = match err.code() {
+        Some(code) => {
+            code.code().starts_with("08")
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                    SqlState::TOO_MANY_CONNECTIONS,
+                ]
+                .contains(code)
+        }
+        // No SQLSTATE: a broken connection is retryable; a client-side
+        // encode, decode or row-count error is not.
+        None => {
+            err.is_closed()
+                || std::error::Error::source(&err).is_some_and(|s| s.is::<std::io::Error>())
+        }
+    };
     let message = match err.as_db_error() {
         Some(db) => format!("{}: {}", db.code().code(), db.message()),
-        None => err.to_string(),
+        None => describe(&err),
     };
     if unavailable {
         StoreError::Unavailable { operation, message }
@@ -155,8 +161,21 @@ fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreErro
 fn pool_error(operation: &'static str, err: PoolError) -> StoreError {
     StoreError::Unavailable {
         operation,
-        message: err.to_string(),
+        message: describe(&err),
     }
+}
+
+/// `err` and its causes: deadpool and tokio-postgres keep the reason (the
+/// server's message, the io error) in `source()`, not in `Display`.
+fn describe(err: &dyn std::error::Error) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
 }
 
 /// The row columns, in the order `activation_from_row` reads them.
@@ -413,10 +432,13 @@ impl ActivationStore for PostgresStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        let migration_error = |err: tokio_postgres::Error| StoreError::Migration(err.to_string());
-        let (mut client, connection) = tokio_postgres::connect(&self.url, NoTls)
-            .await
-            .map_err(migration_error)?;
+        let migration_error = |err: tokio_postgres::Error| StoreError::Migration(describe(&err));
+        let mut pg_config: tokio_postgres::Config = self
+            .url
+            .parse()
+            .map_err(|err| StoreError::Config(format!("invalid PostgreSQL URL: {err}")))?;
+        pg_config.connect_timeout(self.connect_timeout);
+        let (mut client, connection) = pg_config.connect(NoTls).await.map_err(migration_error)?;
         let driver = tokio::spawn(connection);
         // A session lock, held by this connection only: if this process dies
         // mid-migration the lock goes with its connection.
@@ -619,51 +641,31 @@ impl ActivationStore for PostgresStore {
             .collect();
         let edits: Vec<&StatusUpdate> = updates.iter().filter(|u| u.edits_retry_state()).collect();
 
-        let mut client = self.client(&self.pool, OP).await?;
-        let transaction = client.transaction().await.map_err(|e| query_error(OP, e))?;
-        if !edits.is_empty() {
-            let edit_ids: Vec<&str> = edits.iter().map(|u| u.id.as_str()).collect();
-            let locked = transaction
-                .query(LOCK_FOR_RETRY_EDIT, &[&edit_ids])
+        let row = if edits.is_empty() {
+            // The common case: one statement, no transaction round trips.
+            self.query(&self.pool, OP, SET_STATUS, &[&ids, &statuses])
+                .await?
+                .into_iter()
+                .next()
+        } else {
+            let mut client = self.client(&self.pool, OP).await?;
+            let transaction = client.transaction().await.map_err(|e| query_error(OP, e))?;
+            rewrite_retry_states(&transaction, &edits).await?;
+            let statement = transaction
+                .prepare_cached(SET_STATUS)
                 .await
                 .map_err(|e| query_error(OP, e))?;
-            let mut rewritten_ids = Vec::with_capacity(locked.len());
-            let mut rewritten = Vec::with_capacity(locked.len());
-            for row in &locked {
-                let id: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
-                let bytes: Vec<u8> = row.try_get(1).map_err(|e| query_error(OP, e))?;
-                let Some(update) = edits.iter().find(|u| u.id == id) else {
-                    continue;
-                };
-                match rewrite_retry_state(&bytes, update.max_attempts, update.delay_on_retry) {
-                    Ok(new_bytes) => {
-                        rewritten_ids.push(id);
-                        rewritten.push(new_bytes);
-                    }
-                    // The status still applies; only the retry-state edit is lost.
-                    Err(err) => tracing::warn!(
-                        activation_id = %id,
-                        error = %err,
-                        "cannot rewrite retry state of stored activation"
-                    ),
-                }
-            }
-            if !rewritten_ids.is_empty() {
-                transaction
-                    .execute(WRITE_ACTIVATIONS, &[&rewritten_ids, &rewritten])
-                    .await
-                    .map_err(|e| query_error(OP, e))?;
-            }
-        }
-        let statement = transaction
-            .prepare_cached(SET_STATUS)
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        let row = transaction
-            .query_one(&statement, &[&ids, &statuses])
-            .await
-            .map_err(|e| query_error(OP, e))?;
-        transaction.commit().await.map_err(|e| query_error(OP, e))?;
+            let row = transaction
+                .query_one(&statement, &[&ids, &statuses])
+                .await
+                .map_err(|e| query_error(OP, e))?;
+            transaction.commit().await.map_err(|e| query_error(OP, e))?;
+            Some(row)
+        };
+        let row = row.ok_or(StoreError::Query {
+            operation: OP,
+            message: "status counts returned no row".to_owned(),
+        })?;
         let count = |index: usize| -> StoreResult<u64> {
             let value: i64 = row.try_get(index).map_err(|e| query_error(OP, e))?;
             Ok(u64::try_from(value).unwrap_or(0))
@@ -832,6 +834,48 @@ impl ActivationStore for PostgresStore {
         let rows = self.query(&self.pool, OP, GET, &[&id]).await?;
         rows.first().map(activation_from_row).transpose()
     }
+}
+
+/// Applies RETRY edits of `max_attempts` / `delay_on_retry` to the stored
+/// bytes of rows still handed out, under row locks, inside `transaction`.
+async fn rewrite_retry_states(
+    transaction: &tokio_postgres::Transaction<'_>,
+    edits: &[&StatusUpdate],
+) -> StoreResult<()> {
+    const OP: &str = "set_status";
+    let edit_ids: Vec<&str> = edits.iter().map(|u| u.id.as_str()).collect();
+    let locked = transaction
+        .query(LOCK_FOR_RETRY_EDIT, &[&edit_ids])
+        .await
+        .map_err(|e| query_error(OP, e))?;
+    let mut rewritten_ids = Vec::with_capacity(locked.len());
+    let mut rewritten = Vec::with_capacity(locked.len());
+    for row in &locked {
+        let id: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
+        let bytes: Vec<u8> = row.try_get(1).map_err(|e| query_error(OP, e))?;
+        let Some(update) = edits.iter().find(|u| u.id == id) else {
+            continue;
+        };
+        match rewrite_retry_state(&bytes, update.max_attempts, update.delay_on_retry) {
+            Ok(new_bytes) => {
+                rewritten_ids.push(id);
+                rewritten.push(new_bytes);
+            }
+            // The status still applies; only the retry-state edit is lost.
+            Err(err) => tracing::warn!(
+                activation_id = %id,
+                error = %err,
+                "cannot rewrite retry state of stored activation"
+            ),
+        }
+    }
+    if !rewritten_ids.is_empty() {
+        transaction
+            .execute(WRITE_ACTIVATIONS, &[&rewritten_ids, &rewritten])
+            .await
+            .map_err(|e| query_error(OP, e))?;
+    }
+    Ok(())
 }
 
 impl PostgresStore {

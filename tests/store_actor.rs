@@ -1,0 +1,382 @@
+//! StoreActor against a real PostgreSQL database: it runs queries
+//! concurrently instead of one at a time, turns a database outage into
+//! `Unavailable` errors (never a hang or a panic) and recovers when the
+//! database comes back, and records every call in its metrics.
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use common::TestDb;
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::store::{
+    ClaimBatch, CountByStatus, GetActivation, InsertBatch, MaxPendingLag, ReleaseClaims,
+};
+use taskbroker::metrics::Metrics;
+use taskbroker::store::{
+    ActivationStatus, ActivationStore, BucketRange, ClaimToken, PostgresStore, StoreError,
+};
+
+/// Bound on every wait for the database to reach a state; reaching it is
+/// the test's event, running out is a failure.
+const DEADLINE: Duration = Duration::from_secs(10);
+/// Pause between two looks at a condition we poll.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+fn start_actor(store: Arc<dyn ActivationStore>) -> (Addr<StoreActor>, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let addr = StoreActor::new(store, Arc::clone(&metrics)).start();
+    (addr, metrics)
+}
+
+/// Awaits `future`, failing the test instead of hanging if it does not
+/// finish within `DEADLINE`.
+async fn within_deadline<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {DEADLINE:?}"))
+}
+
+/// A bounded wait for a condition the test polls: `pause` sleeps briefly
+/// between two looks, and fails the test once `DEADLINE` has passed.
+struct Deadline {
+    what: &'static str,
+    until: tokio::time::Instant,
+}
+
+impl Deadline {
+    fn start(what: &'static str) -> Deadline {
+        Deadline {
+            what,
+            until: tokio::time::Instant::now() + DEADLINE,
+        }
+    }
+
+    async fn pause(&self) {
+        assert!(
+            tokio::time::Instant::now() < self.until,
+            "gave up after {DEADLINE:?} waiting until {}",
+            self.what
+        );
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// Backends connected to `database` that wait for a heavyweight lock.
+async fn backends_waiting_on_locks(admin: &tokio_postgres::Client, database: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = $1 AND wait_event_type = 'Lock'",
+            &[&database],
+        )
+        .await
+        .expect("read pg_stat_activity")
+        .get(0)
+}
+
+async fn backends_on(admin: &tokio_postgres::Client, database: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1",
+            &[&database],
+        )
+        .await
+        .expect("read pg_stat_activity")
+        .get(0)
+}
+
+#[actix_rt::test]
+async fn handlers_run_queries_concurrently() {
+    const CONCURRENT: usize = 8;
+    let db = TestDb::new().await;
+    let mut config = db.store_config();
+    config.pool_size = 2 * CONCURRENT;
+    let store = PostgresStore::connect(&config).expect("store config");
+    store.migrate().await.expect("migrations apply");
+    common::insert(&store, &common::rows("concurrent", 5)).await;
+    let (addr, metrics) = start_actor(Arc::new(store));
+
+    // Every query on the table now blocks until the lock is released. A
+    // StoreActor that ran one query at a time would have exactly one backend
+    // waiting, however many messages were sent.
+    let locker = db.client().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+        .await
+        .expect("lock the table");
+
+    let requests: Vec<_> = (0..CONCURRENT)
+        .map(|_| addr.send(CountByStatus {}))
+        .collect();
+    let replies = actix_rt::spawn(futures::future::join_all(requests));
+
+    let monitor = common::connect(&common::admin_url()).await;
+    let deadline = Deadline::start("all the store queries wait on the table lock at once");
+    let waiting = loop {
+        let waiting = backends_waiting_on_locks(&monitor, &db.name).await;
+        if waiting >= CONCURRENT as i64 {
+            break waiting;
+        }
+        deadline.pause().await;
+    };
+    assert_eq!(
+        waiting, CONCURRENT as i64,
+        "only the store's queries should be waiting"
+    );
+
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    let replies = within_deadline("the blocked queries", replies)
+        .await
+        .expect("reply task");
+    assert_eq!(replies.len(), CONCURRENT);
+    for reply in replies {
+        let counts = reply
+            .expect("actor answers")
+            .expect("count succeeds once the lock is gone");
+        assert_eq!(counts.get(ActivationStatus::Pending), 5);
+        assert_eq!(counts.total(), 5);
+    }
+    assert_eq!(metrics.store_calls("count_by_status"), CONCURRENT as u64);
+}
+
+/// Re-allows connections to a database when dropped, so a failing outage
+/// test never leaves its database locked out (TestDb's Drop still removes
+/// it, but this keeps the server in the state other tests expect).
+struct AllowConnectionsOnDrop {
+    name: String,
+}
+
+impl Drop for AllowConnectionsOnDrop {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs inside the test's runtime: use a thread with its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            runtime.block_on(async {
+                let admin = common::connect(&common::admin_url()).await;
+                let _ = admin
+                    .batch_execute(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+                    .await;
+            });
+        })
+        .join();
+    }
+}
+
+/// Asserts a store call failed as retryable, and tallies it.
+fn expect_unavailable<T: std::fmt::Debug>(
+    operation: &str,
+    reply: Result<Result<T, StoreError>, MailboxError>,
+) {
+    match reply.expect("actor answers") {
+        Err(err) => assert!(
+            err.is_unavailable(),
+            "{operation} during the outage failed with {err:?}, expected Unavailable"
+        ),
+        Ok(value) => panic!("{operation} succeeded during the outage: {value:?}"),
+    }
+}
+
+#[actix_rt::test]
+async fn database_outage_returns_unavailable_then_recovers() {
+    let db = TestDb::new().await;
+    let mut config = db.store_config();
+    config.connect_timeout = Duration::from_secs(1);
+    config.pool_size = 4;
+    let store = PostgresStore::connect(&config).expect("store config");
+    store.migrate().await.expect("migrations apply");
+    let (addr, metrics) = start_actor(Arc::new(store));
+
+    let rows = common::rows("outage", 3);
+    let inserted = addr
+        .send(InsertBatch { rows: rows.clone() })
+        .await
+        .expect("actor answers")
+        .expect("insert before the outage");
+    assert_eq!(inserted, 3);
+
+    // One query is in flight when the database goes away: it waits behind a
+    // table lock, so the termination hits it mid-statement.
+    let locker = db.client().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+        .await
+        .expect("lock the table");
+    let in_flight = actix_rt::spawn(addr.send(CountByStatus {}));
+    let admin = common::connect(&common::admin_url()).await;
+    let deadline = Deadline::start("the in-flight query waits on the table lock");
+    while backends_waiting_on_locks(&admin, &db.name).await < 1 {
+        deadline.pause().await;
+    }
+
+    let _allow_again = AllowConnectionsOnDrop {
+        name: db.name.clone(),
+    };
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS false",
+            db.name
+        ))
+        .await
+        .expect("refuse new connections");
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&db.name],
+        )
+        .await
+        .expect("terminate existing connections");
+    let deadline = Deadline::start("no backend is connected to the test database");
+    while backends_on(&admin, &db.name).await > 0 {
+        deadline.pause().await;
+    }
+
+    let reply = within_deadline("the query cut off mid-statement", in_flight)
+        .await
+        .expect("reply task");
+    expect_unavailable("count_by_status in flight", reply);
+    // Later calls find the pooled connection dead and have to open new
+    // ones, which the database refuses: Unavailable too, and promptly.
+    for _ in 0..2 {
+        let reply = within_deadline("count_by_status during the outage", async {
+            addr.send(CountByStatus {}).await
+        })
+        .await;
+        expect_unavailable("count_by_status", reply);
+    }
+    let reply = within_deadline("get during the outage", async {
+        addr.send(GetActivation {
+            id: rows[0].id.clone(),
+        })
+        .await
+    })
+    .await;
+    expect_unavailable("get", reply);
+    let reply = within_deadline("claim_for_push during the outage", async {
+        addr.send(ClaimBatch {
+            buckets: BucketRange::ALL,
+            limit: 10,
+            lease: Duration::from_secs(60),
+        })
+        .await
+    })
+    .await;
+    expect_unavailable("claim_for_push", reply);
+
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+            db.name
+        ))
+        .await
+        .expect("allow connections again");
+
+    // Recovery needs no restart: the pool reconnects on its own.
+    let mut failures_while_recovering = 0u64;
+    let deadline = Deadline::start("max_pending_lag succeeds again");
+    loop {
+        match addr.send(MaxPendingLag {}).await.expect("actor answers") {
+            Ok(_) => break,
+            Err(err) => {
+                assert!(
+                    err.is_unavailable(),
+                    "error while recovering should be Unavailable: {err:?}"
+                );
+                failures_while_recovering += 1;
+            }
+        }
+        deadline.pause().await;
+    }
+
+    let counts = addr
+        .send(CountByStatus {})
+        .await
+        .expect("actor answers")
+        .expect("count after recovery");
+    assert_eq!(counts.get(ActivationStatus::Pending), 3);
+    assert_eq!(counts.total(), 3);
+    for row in &rows {
+        let stored = addr
+            .send(GetActivation { id: row.id.clone() })
+            .await
+            .expect("actor answers")
+            .expect("get after recovery");
+        assert_eq!(stored.as_ref(), Some(row), "row {} changed", row.id);
+    }
+
+    let unavailable = |operation: &str| {
+        metrics
+            .store_errors
+            .with_label_values(&[operation, "unavailable"])
+            .get()
+    };
+    assert_eq!(unavailable("count_by_status"), 3);
+    assert_eq!(unavailable("get"), 1);
+    assert_eq!(unavailable("claim_for_push"), 1);
+    assert_eq!(unavailable("max_pending_lag"), failures_while_recovering);
+    assert_eq!(unavailable("insert_batch"), 0);
+    // Calls are counted whether they failed or not.
+    assert_eq!(metrics.store_calls("count_by_status"), 4);
+    assert_eq!(metrics.store_calls("get"), 1 + rows.len() as u64);
+}
+
+#[actix_rt::test]
+async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
+    const K: usize = 12;
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows("release", K)).await;
+    let (addr, metrics) = start_actor(store);
+
+    let claimed = addr
+        .send(ClaimBatch {
+            buckets: BucketRange::ALL,
+            limit: K,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .expect("actor answers")
+        .expect("claim");
+    assert_eq!(claimed.len(), K);
+    let tokens: Vec<ClaimToken> = claimed
+        .iter()
+        .map(|row| row.claim_token().expect("claimed rows carry their fence"))
+        .collect();
+
+    let released = addr
+        .send(ReleaseClaims { claims: tokens })
+        .await
+        .expect("actor answers")
+        .expect("release");
+    assert_eq!(released, K as u64);
+    assert_eq!(metrics.store_calls("release_claims"), 1);
+
+    let counts = addr
+        .send(CountByStatus {})
+        .await
+        .expect("actor answers")
+        .expect("count");
+    assert_eq!(counts.get(ActivationStatus::Pending), K as u64);
+    assert_eq!(counts.get(ActivationStatus::Claimed), 0);
+    for row in &claimed {
+        let stored = addr
+            .send(GetActivation { id: row.id.clone() })
+            .await
+            .expect("actor answers")
+            .expect("get")
+            .expect("row still stored");
+        assert_eq!(stored.status, ActivationStatus::Pending);
+        assert_eq!(
+            stored.processing_attempts, 0,
+            "releasing must not consume an attempt"
+        );
+    }
+}

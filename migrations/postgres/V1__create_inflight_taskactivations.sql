@@ -31,9 +31,10 @@ CREATE TABLE IF NOT EXISTS inflight_taskactivations (
     CONSTRAINT inflight_bucket_range CHECK (bucket BETWEEN 0 AND 255)
 );
 
--- Push claims: Pending rows of a bucket range, oldest first.
-CREATE INDEX IF NOT EXISTS inflight_pending_by_bucket
-    ON inflight_taskactivations (bucket, added_at) WHERE status = 'Pending';
+-- Push claims: Pending rows oldest first; the bucket is in the index so a
+-- FetchActor's range filter is checked without visiting the heap.
+CREATE INDEX IF NOT EXISTS inflight_pending_by_age
+    ON inflight_taskactivations (added_at, bucket) WHERE status = 'Pending';
 -- Pull claims: Pending rows of an application / namespace, oldest first.
 CREATE INDEX IF NOT EXISTS inflight_pending_by_application
     ON inflight_taskactivations (application, namespace, added_at) WHERE status = 'Pending';
@@ -47,9 +48,11 @@ CREATE INDEX IF NOT EXISTS inflight_delay_by_due
 -- Upkeep: expiry of Pending rows.
 CREATE INDEX IF NOT EXISTS inflight_pending_by_expiry
     ON inflight_taskactivations (expires_at) WHERE status = 'Pending' AND expires_at IS NOT NULL;
--- Upkeep: finished rows (Retry, Failure, Complete) and counts by status.
-CREATE INDEX IF NOT EXISTS inflight_by_status
-    ON inflight_taskactivations (status, added_at);
+-- Upkeep: finished rows (Retry, Failure, Complete). Partial, so the hot
+-- transitions (Pending -> Claimed -> Processing) do not maintain it.
+CREATE INDEX IF NOT EXISTS inflight_finished_by_status
+    ON inflight_taskactivations (status, added_at)
+    WHERE status IN ('Retry', 'Failure', 'Complete');
 -- Upkeep: Pending rows that used up their attempts.
 CREATE INDEX IF NOT EXISTS inflight_pending_by_attempts
     ON inflight_taskactivations (processing_attempts) WHERE status = 'Pending';

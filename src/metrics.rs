@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::store::{ActivationStatus, StatusCounts, StoreError};
@@ -23,6 +23,40 @@ pub struct Metrics {
     pub max_lag_seconds: Gauge,
     /// Constant 1, labelled with the running version.
     pub build_info: IntGaugeVec,
+    /// Activations claimed for push delivery.
+    pub claims: IntCounter,
+    /// FetchActor submissions to the push pool, by result (ok, full, timeout, closed).
+    pub submits: IntCounterVec,
+    /// Claims returned to Pending, by reason (queue_timeout, queue_closed,
+    /// push_failed, lease_expired, shutdown, dropped).
+    pub claims_released: IntCounterVec,
+    /// PushTask outcomes, by result (ok, error, busy, timeout, unroutable,
+    /// undecodable, stale).
+    pub pushes: IntCounterVec,
+    /// Duration of PushTask RPCs.
+    pub push_duration: Histogram,
+    /// Time from `received_at` until the activation was claimed.
+    pub received_to_claimed: Histogram,
+    /// Time from `received_at` until a worker accepted the push.
+    pub received_to_pushed: Histogram,
+}
+
+/// Latency buckets (seconds) for end-to-end task latencies.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+fn counter(name: &str, help: &str) -> IntCounter {
+    IntCounter::new(name, help).expect("valid metric definition")
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric definition")
+}
+
+fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        .expect("valid metric definition")
 }
 
 impl Metrics {
@@ -71,12 +105,53 @@ impl Metrics {
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
+        let claims = counter(
+            "taskbroker_claims_total",
+            "Activations claimed for push delivery.",
+        );
+        let submits = counter_vec(
+            "taskbroker_push_submits_total",
+            "FetchActor submissions to the push pool, by result.",
+            &["result"],
+        );
+        let claims_released = counter_vec(
+            "taskbroker_claims_released_total",
+            "Claims returned to Pending without consuming an attempt, by reason.",
+            &["reason"],
+        );
+        let pushes = counter_vec(
+            "taskbroker_pushes_total",
+            "PushTask outcomes, by result.",
+            &["result"],
+        );
+        let push_duration = histogram(
+            "taskbroker_push_duration_seconds",
+            "Duration of PushTask RPCs.",
+            LATENCY_BUCKETS,
+        );
+        let received_to_claimed = histogram(
+            "taskbroker_received_to_claimed_seconds",
+            "Time from an activation's received_at until it was claimed.",
+            LATENCY_BUCKETS,
+        );
+        let received_to_pushed = histogram(
+            "taskbroker_received_to_pushed_seconds",
+            "Time from an activation's received_at until a worker accepted it.",
+            LATENCY_BUCKETS,
+        );
         for collector in [
             Box::new(store_duration.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(store_errors.clone()),
             Box::new(activations.clone()),
             Box::new(max_lag_seconds.clone()),
             Box::new(build_info.clone()),
+            Box::new(claims.clone()),
+            Box::new(submits.clone()),
+            Box::new(claims_released.clone()),
+            Box::new(pushes.clone()),
+            Box::new(push_duration.clone()),
+            Box::new(received_to_claimed.clone()),
+            Box::new(received_to_pushed.clone()),
         ] {
             registry
                 .register(collector)
@@ -89,7 +164,19 @@ impl Metrics {
             activations,
             max_lag_seconds,
             build_info,
+            claims,
+            submits,
+            claims_released,
+            pushes,
+            push_duration,
+            received_to_claimed,
+            received_to_pushed,
         }
+    }
+
+    /// Current value of a labelled counter (tests and the load harness).
+    pub fn count(counter: &IntCounterVec, label: &str) -> u64 {
+        counter.with_label_values(&[label]).get()
     }
 
     pub fn observe_store(&self, operation: &str, elapsed: Duration, error: Option<&StoreError>) {

@@ -11,13 +11,33 @@ use taskbroker::config::{
     REDACTED, SETTINGS, WorkerEndpoints, reference_markdown, unknown_variables,
 };
 
-/// Parses with exactly these variables set (full names).
+/// Worker endpoints push mode (the default) requires; tests that are not
+/// about them get this value unless they set the variable themselves.
+const TEST_ENDPOINTS: &str = "*=http://worker:50052";
+
+/// Parses with these variables set (full names), plus `TEST_ENDPOINTS`.
 fn parse(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
-    let env: HashMap<String, String> = vars
+    let mut env: HashMap<String, String> = vars
         .iter()
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect();
+    env.entry("TASKBROKER_WORKER_ENDPOINTS".to_owned())
+        .or_insert_with(|| TEST_ENDPOINTS.to_owned());
     Config::from_lookup(|name| env.get(name).cloned())
+}
+
+#[test]
+fn push_mode_requires_worker_endpoints() {
+    assert_single_problem(
+        &[("TASKBROKER_WORKER_ENDPOINTS", "")],
+        "TASKBROKER_WORKER_ENDPOINTS=: is required when TASKBROKER_DELIVERY_MODE=push: name the \
+         workers to push to, e.g. `*=http://worker:50052`, or set TASKBROKER_DELIVERY_MODE=pull",
+    );
+    let pull = parse_ok(&[
+        ("TASKBROKER_WORKER_ENDPOINTS", ""),
+        ("TASKBROKER_DELIVERY_MODE", "pull"),
+    ]);
+    assert!(pull.worker_endpoints.is_empty());
 }
 
 fn parse_ok(vars: &[(&str, &str)]) -> Config {
@@ -72,7 +92,7 @@ fn defaults_parse_to_the_documented_values() {
     assert_eq!(config.grpc_max_request_bytes, 4 * 1024 * 1024);
     assert_eq!(
         config.worker_endpoints.endpoints_for("anything"),
-        Some(&["http://127.0.0.1:50052".to_string()][..])
+        Some(&["http://worker:50052".to_string()][..])
     );
     assert_eq!(config.fetch_actors, 2);
     assert_eq!(config.fetch_batch_size, 64);
@@ -101,9 +121,9 @@ fn every_setting_is_read_through_the_lookup_with_its_full_name() {
     let asked = RefCell::new(Vec::new());
     let result = Config::from_lookup(|name| {
         asked.borrow_mut().push(name.to_string());
-        None
+        (name == "TASKBROKER_DELIVERY_MODE").then(|| "pull".to_owned())
     });
-    assert!(result.is_ok());
+    assert!(result.is_ok(), "{result:?}");
     let asked = asked.into_inner();
     let expected: Vec<String> = SETTINGS.iter().map(|s| s.variable()).collect();
     assert_eq!(asked, expected);
@@ -235,7 +255,7 @@ fn database_url_with_another_scheme_is_refused_without_printing_it() {
 fn worker_endpoints_route_by_application_with_a_fallback() {
     let config = parse_ok(&[(
         "TASKBROKER_WORKER_ENDPOINTS",
-        "billing=http://billing-0:50052|https://billing-1:50052; *=http://worker:50052;",
+        "billing=http://billing-0:50052|http://billing-1:50052; *=http://worker:50052;",
     )]);
     let endpoints = &config.worker_endpoints;
     assert_eq!(
@@ -243,7 +263,7 @@ fn worker_endpoints_route_by_application_with_a_fallback() {
         Some(
             &[
                 "http://billing-0:50052".to_string(),
-                "https://billing-1:50052".to_string()
+                "http://billing-1:50052".to_string()
             ][..]
         )
     );
@@ -255,8 +275,8 @@ fn worker_endpoints_route_by_application_with_a_fallback() {
         endpoints.all_urls(),
         vec![
             "http://billing-0:50052",
-            "http://worker:50052",
-            "https://billing-1:50052"
+            "http://billing-1:50052",
+            "http://worker:50052"
         ]
     );
 
@@ -284,8 +304,8 @@ fn worker_endpoint_with_a_bad_url_scheme_is_refused() {
     assert_single_problem(
         &[("TASKBROKER_WORKER_ENDPOINTS", "billing=ftp://billing:21")],
         "TASKBROKER_WORKER_ENDPOINTS=billing=ftp://billing:21: must be \
-         `app=url|url;app2=url;*=url` with `http://` or `https://` URLs \
-         (URL `ftp://billing:21` does not start with `http://` or `https://`)",
+         `app=url|url;app2=url;*=url` with `http://` URLs \
+         (URL `ftp://billing:21` does not start with `http://` (TLS to workers is not supported))",
     );
 }
 

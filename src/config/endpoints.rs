@@ -109,12 +109,12 @@ impl fmt::Display for WorkerEndpoints {
 }
 
 fn check_http_url(url: &str) -> Result<&str, String> {
-    let rest = url
-        .strip_prefix("http://")
-        .or_else(|| url.strip_prefix("https://"));
+    // No TLS client is built in yet: refuse https:// here rather than fail
+    // every push later.
+    let rest = url.strip_prefix("http://");
     match rest {
         None => Err(format!(
-            "URL `{url}` does not start with `http://` or `https://`"
+            "URL `{url}` does not start with `http://` (TLS to workers is not supported)"
         )),
         Some(rest) if rest.is_empty() || rest.starts_with('/') => {
             Err(format!("URL `{url}` has no host"))

@@ -232,9 +232,9 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "WORKER_ENDPOINTS",
-        default: "*=http://127.0.0.1:50052",
+        default: "",
         allowed: Allowed::WorkerEndpoints,
-        description: "Push mode: worker URLs per application; `*` serves applications without their own entry; pushes are spread over an application's URLs.",
+        description: "Push mode (required there): worker URLs per application; `*` serves applications without their own entry; pushes are spread over an application's URLs.",
         secret: false,
     },
     Setting {
@@ -878,7 +878,10 @@ from_value! {
     String { Value::Text(text) => Some(text) }
     PathBuf { Value::Text(text) => Some(PathBuf::from(text)) }
     SocketAddr { Value::Addr(addr) => Some(addr) }
-    WorkerEndpoints { Value::Endpoints(endpoints) => Some(endpoints) }
+    WorkerEndpoints {
+        Value::Unset => Some(WorkerEndpoints::default()),
+        Value::Endpoints(endpoints) => Some(endpoints),
+    }
     Vec<String> {
         Value::Unset => Some(Vec::new()),
         Value::List(items) => Some(items),
@@ -955,6 +958,21 @@ impl Values {
                     ),
                 );
             }
+        }
+
+        let mode = self.peek::<DeliveryMode>("DELIVERY_MODE");
+        let endpoints = self.peek::<WorkerEndpoints>("WORKER_ENDPOINTS");
+        if let (Some(DeliveryMode::Push), Some(endpoints)) = (mode, endpoints)
+            && endpoints.is_empty()
+        {
+            self.conflict(
+                "WORKER_ENDPOINTS",
+                String::new(),
+                format!(
+                    "is required when {ENV_PREFIX}DELIVERY_MODE=push: name the workers to push \
+                     to, e.g. `*=http://worker:50052`, or set {ENV_PREFIX}DELIVERY_MODE=pull"
+                ),
+            );
         }
 
         let shutdown_timeout = self.peek::<Duration>("SHUTDOWN_TIMEOUT_MS");
@@ -1099,7 +1117,7 @@ impl Allowed {
             ),
             Allowed::List => "a comma-separated list without empty items".to_owned(),
             Allowed::WorkerEndpoints => {
-                "`app=url|url;app2=url;*=url` with `http://` or `https://` URLs".to_owned()
+                "`app=url|url;app2=url;*=url` with `http://` URLs".to_owned()
             }
             Allowed::Text => "any text".to_owned(),
         }

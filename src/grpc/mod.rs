@@ -1,3 +1,5 @@
-//! gRPC: request signing shared by the broker's server and its push client.
+//! gRPC: request signing shared by the broker's server and its push client,
+//! and the PushTask client.
 
 pub mod signing;
+pub mod worker_client;

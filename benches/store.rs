@@ -174,7 +174,7 @@ async fn claim_push_complete(store: &PostgresStore, batch: usize) {
         .mark_processing(&tokens, DEADLINE_GRACE)
         .await
         .expect("mark processing");
-    assert_eq!(processing, batch as u64);
+    assert_eq!(processing.len(), batch);
     let updates: Vec<StatusUpdate> = claimed
         .into_iter()
         .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))

@@ -5,6 +5,7 @@
 
 pub mod activation;
 pub mod actors;
+pub mod broker;
 pub mod config;
 pub mod grpc;
 pub mod metrics;

@@ -15,7 +15,8 @@ use actix::prelude::*;
 use clap::{Parser, Subcommand};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::store::CountByStatus;
-use taskbroker::config::{Config, LogFormat, unknown_variables};
+use taskbroker::broker::{PushPipeline, PushPipelineConfig};
+use taskbroker::config::{Config, DeliveryMode, LogFormat, unknown_variables};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 use tracing_subscriber::EnvFilter;
@@ -146,11 +147,42 @@ async fn run(config: Config) -> Result<(), String> {
         Err(err) => return Err(format!("store actor stopped: {err}")),
     }
 
+    let pipeline = match config.delivery_mode {
+        DeliveryMode::Push => {
+            let pipeline_config = PushPipelineConfig::from_config(&config, &host_name());
+            tracing::info!(
+                fetch_actors = pipeline_config.fetch_actors,
+                claim_lease_ms = pipeline_config.fetch.lease.as_millis() as u64,
+                callback_url = %pipeline_config.push.callback_url,
+                "push delivery starting"
+            );
+            Some(PushPipeline::start(
+                pipeline_config,
+                store_actor.clone(),
+                Arc::clone(&metrics),
+            )?)
+        }
+        DeliveryMode::Pull => None,
+    };
+
     wait_for_shutdown_signal().await;
     tracing::info!("shutting down");
+    if let Some(pipeline) = pipeline {
+        pipeline.stop().await;
+    }
     store_arbiter.stop();
     let _ = store_arbiter.join();
     Ok(())
+}
+
+/// This machine's name, for the advertised gRPC address.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

@@ -7,32 +7,158 @@
 //!   itself: each handler returns a future that actix spawns, so queries from
 //!   many senders run concurrently over the pool instead of one at a time.
 //!
+//! Frequent small writes (mark processing after each push) are combined:
+//! see [`MarkPushed`].
+//!
 //! Every operation's latency and errors are recorded in [`Metrics`], which is
 //! also how tests count the statements an operation ran.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
 use crate::store::{
     ActivationStore, BucketRange, ClaimToken, DeadlineOutcome, InflightActivation, PublishKind,
-    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome, StoreResult,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome, StoreError, StoreResult,
 };
 
 /// Messages queue here only while actix hands them to their futures, so a
 /// modest bound is enough; senders using `send` wait when it is full.
 pub const MAILBOX_CAPACITY: usize = 1024;
 
+/// Most claims one combined mark-processing statement carries.
+const MAX_COMBINED: usize = 1024;
+
 pub struct StoreActor {
     store: Arc<dyn ActivationStore>,
     metrics: Arc<Metrics>,
+    pushed: CombinedWrites<(ClaimToken, Duration), bool>,
 }
 
 impl StoreActor {
     pub fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
-        StoreActor { store, metrics }
+        StoreActor {
+            store,
+            metrics,
+            pushed: CombinedWrites::default(),
+        }
+    }
+}
+
+/// Small writes waiting to be combined into one statement. One combined
+/// statement runs at a time; whatever arrives meanwhile forms the next one,
+/// so the batch size follows the load with no timer and no added latency
+/// when the system is quiet.
+struct CombinedWrites<T, R> {
+    waiting: Vec<(T, oneshot::Sender<StoreResult<R>>)>,
+    flushing: bool,
+}
+
+impl<T, R> Default for CombinedWrites<T, R> {
+    fn default() -> Self {
+        CombinedWrites {
+            waiting: Vec::new(),
+            flushing: false,
+        }
+    }
+}
+
+impl<T, R> CombinedWrites<T, R> {
+    /// Queues `item`; the returned future resolves with its own result.
+    fn push(&mut self, item: T, operation: &'static str) -> ResponseFuture<StoreResult<R>>
+    where
+        R: Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        self.waiting.push((item, reply));
+        Box::pin(async move {
+            answer.await.unwrap_or_else(|_| {
+                Err(StoreError::Unavailable {
+                    operation,
+                    message: "store actor stopped before the write ran".to_owned(),
+                })
+            })
+        })
+    }
+
+    /// The next batch to write, if none is being written.
+    fn take_batch(&mut self) -> Option<Vec<(T, oneshot::Sender<StoreResult<R>>)>> {
+        if self.flushing || self.waiting.is_empty() {
+            return None;
+        }
+        self.flushing = true;
+        let rest = self.waiting.split_off(self.waiting.len().min(MAX_COMBINED));
+        Some(std::mem::replace(&mut self.waiting, rest))
+    }
+}
+
+/// A push succeeded: fenced Claimed → Processing, combined with other
+/// pushes' writes into one statement. Answers whether this claim still held
+/// the row (`false`: stale, the row was claimed again or released).
+#[derive(Debug)]
+pub struct MarkPushed {
+    pub claim: ClaimToken,
+    pub deadline_grace: Duration,
+}
+
+impl Message for MarkPushed {
+    type Result = StoreResult<bool>;
+}
+
+impl Handler<MarkPushed> for StoreActor {
+    type Result = ResponseFuture<StoreResult<bool>>;
+
+    fn handle(&mut self, msg: MarkPushed, ctx: &mut Self::Context) -> Self::Result {
+        let answer = self
+            .pushed
+            .push((msg.claim, msg.deadline_grace), "mark_processing");
+        self.flush_pushed(ctx);
+        answer
+    }
+}
+
+impl StoreActor {
+    fn flush_pushed(&mut self, ctx: &mut Context<Self>) {
+        let Some(batch) = self.pushed.take_batch() else {
+            return;
+        };
+        // Grace is a broker-wide setting; use the largest so no deadline is
+        // shortened if callers ever differ.
+        let grace = batch
+            .iter()
+            .map(|((_, grace), _)| *grace)
+            .max()
+            .unwrap_or_default();
+        let claims: Vec<ClaimToken> = batch.iter().map(|((claim, _), _)| claim.clone()).collect();
+        let store = Arc::clone(&self.store);
+        let metrics = Arc::clone(&self.metrics);
+        let write = async move {
+            let started = Instant::now();
+            let result = store.mark_processing(&claims, grace).await;
+            metrics.observe_store("mark_processing", started.elapsed(), result.as_ref().err());
+            result
+        };
+        ctx.spawn(write.into_actor(self).map(move |result, act, ctx| {
+            match result {
+                Ok(moved) => {
+                    let moved: HashSet<String> = moved.into_iter().collect();
+                    for ((claim, _), reply) in batch {
+                        let _ = reply.send(Ok(moved.contains(&claim.id)));
+                    }
+                }
+                Err(err) => {
+                    for (_, reply) in batch {
+                        let _ = reply.send(Err(err.clone()));
+                    }
+                }
+            }
+            act.pushed.flushing = false;
+            act.flush_pushed(ctx);
+        }));
     }
 }
 
@@ -100,7 +226,7 @@ store_messages! {
         "undo_claim", |store, msg| store.undo_claim(&msg.claim);
 
     /// Pushes succeeded: fenced Claimed → Processing.
-    MarkProcessing { claims: Vec<ClaimToken>, deadline_grace: Duration } -> u64,
+    MarkProcessing { claims: Vec<ClaimToken>, deadline_grace: Duration } -> Vec<String>,
         "mark_processing", |store, msg| store.mark_processing(&msg.claims, msg.deadline_grace);
 
     /// An undeliverable claim consumes an attempt (fenced).

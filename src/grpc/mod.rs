@@ -1,5 +1,6 @@
-//! gRPC: request signing shared by the broker's server and its push client,
-//! and the PushTask client.
+//! gRPC: request signing (shared by the broker's server and its push
+//! client), the server-side signature check, and the PushTask client.
 
 pub mod signing;
+pub mod verify;
 pub mod worker_client;

@@ -131,6 +131,13 @@ pub struct WorkerClient {
 }
 
 impl WorkerClient {
+    /// Whether `url` can become a channel.
+    pub fn check_url(url: &str) -> Result<(), String> {
+        Endpoint::from_shared(url.to_owned())
+            .map(drop)
+            .map_err(|err| format!("invalid worker URL {url}: {err}"))
+    }
+
     /// Must be called inside a Tokio runtime (the channel spawns its worker).
     pub fn connect_lazy(url: &str, connect_timeout: Duration) -> Result<Self, String> {
         let endpoint = Endpoint::from_shared(url.to_owned())

@@ -24,7 +24,7 @@ pub type StoreResult<T> = Result<T, StoreError>;
 
 /// Errors a caller can branch on: `Unavailable` is retryable (the database
 /// went away or the pool is exhausted); the others are not.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     #[error("store unavailable during {operation}: {message}")]
     Unavailable {
@@ -113,12 +113,13 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// Pushes succeeded: fenced Claimed → Processing with
     /// `processing_deadline` = now + `processing_deadline_duration` + grace.
-    /// Returns how many rows moved; the rest were stale (claimed again or gone).
+    /// Returns the ids of the rows that moved; the others were stale
+    /// (claimed again, released, or gone), so callers can count them.
     async fn mark_processing(
         &self,
         claims: &[ClaimToken],
         deadline_grace: Duration,
-    ) -> StoreResult<u64>;
+    ) -> StoreResult<Vec<String>>;
 
     /// A claimed activation can never be delivered (no worker serves its
     /// application, or its stored bytes do not decode): fenced Claimed →

@@ -319,7 +319,8 @@ const MARK_PROCESSING: &str = "UPDATE inflight_taskactivations t SET status = 'P
        processing_deadline = now() + ($3::float8 + t.processing_deadline_duration) \
                                       * interval '1 second' \
      FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
-     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at \
+     RETURNING t.id";
 
 const FAIL_CLAIM_ATTEMPT: &str = "UPDATE inflight_taskactivations t \
        SET processing_attempts = t.processing_attempts + 1, \
@@ -594,19 +595,23 @@ impl ActivationStore for PostgresStore {
         &self,
         claims: &[ClaimToken],
         deadline_grace: Duration,
-    ) -> StoreResult<u64> {
+    ) -> StoreResult<Vec<String>> {
         const OP: &str = "mark_processing";
         if claims.is_empty() {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let (ids, expiries) = split_tokens(claims);
-        self.execute(
-            &self.replayable,
-            OP,
-            MARK_PROCESSING,
-            &[&ids, &expiries, &deadline_grace.as_secs_f64()],
-        )
-        .await
+        let rows = self
+            .query(
+                &self.replayable,
+                OP,
+                MARK_PROCESSING,
+                &[&ids, &expiries, &deadline_grace.as_secs_f64()],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| row.try_get(0).map_err(|e| query_error(OP, e)))
+            .collect()
     }
 
     async fn fail_claim_attempt(

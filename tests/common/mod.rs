@@ -2,6 +2,8 @@
 //! in parallel without seeing each other's rows.
 #![allow(dead_code)]
 
+pub mod worker;
+
 use std::sync::Arc;
 
 use chrono::{DateTime, SubsecRound, Utc};
@@ -166,4 +168,21 @@ pub fn rows(prefix: &str, n: usize) -> Vec<InflightActivation> {
 
 pub async fn insert(store: &dyn ActivationStore, rows: &[InflightActivation]) {
     store.insert_batch(rows).await.expect("insert");
+}
+
+/// Polls `condition` every 20 ms until it holds, failing the test after
+/// `limit`: for waiting on a state the system reaches by itself.
+pub async fn wait_until<F, Fut>(what: &str, limit: std::time::Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while !condition().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gave up after {limit:?} waiting until {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

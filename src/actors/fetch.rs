@@ -1,0 +1,300 @@
+//! FetchActor: claims Pending activations in its bucket range and hands
+//! them to the push pool.
+//!
+//! - Owns: its claim loop, its backoff timer, the batch it is submitting.
+//! - Receives: [`WakeFetch`] (new rows stored), [`StopFetching`]; it drives
+//!   itself with [`FetchNow`].
+//! - Sends: [`ClaimBatch`] and [`ReleaseClaims`] to the StoreActor;
+//!   [`PushActivation`] to the PushPoolActor with `try_send`.
+//! - Mailbox: actix's default; only control messages arrive here.
+//!
+//! The handoff (DESIGN.md): each activation of a claimed batch goes to the
+//! push pool with `Addr::try_send`. `Full` hands the activation back and it
+//! is retried after a short pause until `PUSH_QUEUE_TIMEOUT_MS` has passed
+//! for it; then, or at once on `Closed`, this activation and every one of the
+//! batch not yet submitted return to Pending in **one** `ReleaseClaims`
+//! message, one SQL statement, fenced by each row's `claim_expires_at`.
+//! Because a failed `try_send` returns the message, the pool provably never
+//! saw these activations, so releasing them is safe. A batch is submitted or
+//! released entirely before the actor handles its next message (the
+//! iteration runs under `ctx.wait`), so stopping never strands a claim.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::dev::SendError;
+use actix::prelude::*;
+use tokio::time::Instant;
+
+use super::claims::{ClaimGuard, ClaimRegistry};
+use super::push_pool::{PushActivation, PushPoolActor};
+use super::store::{ClaimBatch, ReleaseClaims, StoreActor};
+use crate::metrics::Metrics;
+use crate::store::BucketRange;
+
+/// Pause before retrying a submit that found the push pool's mailbox full.
+const SUBMIT_RETRY_PAUSE: Duration = Duration::from_millis(5);
+
+/// Settings of one FetchActor.
+#[derive(Debug, Clone)]
+pub struct FetchConfig {
+    pub batch_size: usize,
+    pub backoff: Duration,
+    pub queue_timeout: Duration,
+    pub lease: Duration,
+}
+
+/// New rows were stored: fetch now instead of waiting out the backoff.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct WakeFetch;
+
+/// Finish the current batch (submit or release it), then stop.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct StopFetching;
+
+/// Run one claim-and-submit iteration.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct FetchNow;
+
+pub struct FetchActor {
+    buckets: BucketRange,
+    config: FetchConfig,
+    store: Addr<StoreActor>,
+    push: Addr<PushPoolActor>,
+    registry: ClaimRegistry,
+    metrics: Arc<Metrics>,
+    scheduled: Option<SpawnHandle>,
+    busy: bool,
+}
+
+impl FetchActor {
+    pub fn new(
+        buckets: BucketRange,
+        config: FetchConfig,
+        store: Addr<StoreActor>,
+        push: Addr<PushPoolActor>,
+        registry: ClaimRegistry,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        FetchActor {
+            buckets,
+            config,
+            store,
+            push,
+            registry,
+            metrics,
+            scheduled: None,
+            busy: false,
+        }
+    }
+
+    fn fetch_now(&mut self, ctx: &mut Context<Self>) {
+        if let Some(handle) = self.scheduled.take() {
+            ctx.cancel_future(handle);
+        }
+        ctx.notify(FetchNow);
+    }
+
+    fn after(&mut self, outcome: Iteration, ctx: &mut Context<Self>) {
+        match outcome {
+            Iteration::FullBatch => ctx.notify(FetchNow),
+            Iteration::Closed => {
+                tracing::info!(buckets = ?self.buckets, "push pool closed; fetch actor stopping");
+                ctx.stop();
+            }
+            Iteration::Idle | Iteration::Backoff => {
+                self.scheduled = Some(ctx.run_later(self.config.backoff, |act, ctx| {
+                    act.scheduled = None;
+                    ctx.notify(FetchNow);
+                }));
+            }
+        }
+    }
+}
+
+impl Actor for FetchActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.notify(FetchNow);
+    }
+}
+
+impl Handler<FetchNow> for FetchActor {
+    type Result = ();
+
+    fn handle(&mut self, _: FetchNow, ctx: &mut Self::Context) {
+        if self.busy {
+            return;
+        }
+        self.busy = true;
+        let iteration = Submitter {
+            buckets: self.buckets,
+            config: self.config.clone(),
+            store: self.store.clone(),
+            push: self.push.clone(),
+            registry: self.registry.clone(),
+            metrics: Arc::clone(&self.metrics),
+        }
+        .run();
+        ctx.wait(iteration.into_actor(self).map(|outcome, act, ctx| {
+            act.busy = false;
+            act.after(outcome, ctx);
+        }));
+    }
+}
+
+impl Handler<WakeFetch> for FetchActor {
+    type Result = ();
+
+    fn handle(&mut self, _: WakeFetch, ctx: &mut Self::Context) {
+        if self.scheduled.is_some() {
+            self.fetch_now(ctx);
+        }
+    }
+}
+
+impl Handler<StopFetching> for FetchActor {
+    type Result = ();
+
+    fn handle(&mut self, _: StopFetching, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+/// How an iteration ended, i.e. when to run the next one.
+#[derive(Debug, PartialEq, Eq)]
+enum Iteration {
+    /// A full batch was submitted: there may be more, fetch again at once.
+    FullBatch,
+    /// Fewer rows than asked for: wait for a wake-up or the backoff.
+    Idle,
+    /// Store error or submit timeout: back off.
+    Backoff,
+    /// The push pool is gone: stop.
+    Closed,
+}
+
+/// One iteration's work, detached from the actor so it can run as a future.
+struct Submitter {
+    buckets: BucketRange,
+    config: FetchConfig,
+    store: Addr<StoreActor>,
+    push: Addr<PushPoolActor>,
+    registry: ClaimRegistry,
+    metrics: Arc<Metrics>,
+}
+
+impl Submitter {
+    async fn run(self) -> Iteration {
+        let claimed = self
+            .store
+            .send(ClaimBatch {
+                buckets: self.buckets,
+                limit: self.config.batch_size,
+                lease: self.config.lease,
+            })
+            .await;
+        let claimed = match claimed {
+            Ok(Ok(rows)) => rows,
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "claim failed; backing off");
+                return Iteration::Backoff;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "store actor unreachable; backing off");
+                return Iteration::Backoff;
+            }
+        };
+        if claimed.is_empty() {
+            return Iteration::Idle;
+        }
+        let full = claimed.len() >= self.config.batch_size;
+        let now = chrono::Utc::now();
+        self.metrics.claims.inc_by(claimed.len() as u64);
+
+        let mut batch = claimed.into_iter().filter_map(|activation| {
+            let token = activation.claim_token()?;
+            let age = now - activation.received_at;
+            self.metrics
+                .received_to_claimed
+                .observe(age.as_seconds_f64().max(0.0));
+            let claim = ClaimGuard::new(
+                token,
+                self.registry.clone(),
+                self.store.clone(),
+                Arc::clone(&self.metrics),
+            );
+            Some(PushActivation { activation, claim })
+        });
+        // Guards are created lazily by the iterator; collect them now so
+        // every claim is registered as held before the first submit.
+        let batch: Vec<PushActivation> = batch.by_ref().collect();
+        let mut batch = batch.into_iter();
+
+        while let Some(mut message) = batch.next() {
+            let first_try = Instant::now();
+            loop {
+                match self.push.try_send(message) {
+                    Ok(()) => {
+                        self.metrics.submits.with_label_values(&["ok"]).inc();
+                        break;
+                    }
+                    Err(SendError::Full(back)) => {
+                        self.metrics.submits.with_label_values(&["full"]).inc();
+                        if first_try.elapsed() >= self.config.queue_timeout {
+                            self.metrics.submits.with_label_values(&["timeout"]).inc();
+                            self.release(back, batch, "queue_timeout").await;
+                            return Iteration::Backoff;
+                        }
+                        message = back;
+                        tokio::time::sleep(SUBMIT_RETRY_PAUSE).await;
+                    }
+                    Err(SendError::Closed(back)) => {
+                        self.metrics.submits.with_label_values(&["closed"]).inc();
+                        self.release(back, batch, "queue_closed").await;
+                        return Iteration::Closed;
+                    }
+                }
+            }
+        }
+        if full {
+            Iteration::FullBatch
+        } else {
+            Iteration::Idle
+        }
+    }
+
+    /// Returns `first` and the rest of the batch to Pending: one message, one
+    /// fenced statement.
+    async fn release(
+        &self,
+        first: PushActivation,
+        rest: impl Iterator<Item = PushActivation>,
+        reason: &'static str,
+    ) {
+        let guards: Vec<ClaimGuard> = std::iter::once(first)
+            .chain(rest)
+            .map(|message| message.claim)
+            .collect();
+        let claims = guards.iter().map(|guard| guard.token().clone()).collect();
+        match self.store.send(ReleaseClaims { claims }).await {
+            Ok(Ok(released)) => {
+                self.metrics
+                    .claims_released
+                    .with_label_values(&[reason])
+                    .inc_by(released);
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, reason, "cannot release claims; their lease will");
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, reason, "store actor unreachable; leases will release claims");
+            }
+        }
+        guards.into_iter().for_each(ClaimGuard::settle);
+    }
+}

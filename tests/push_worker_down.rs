@@ -1,0 +1,165 @@
+//! A worker that is killed (connection refused) for a while and comes back.
+//! Its own test binary because it captures the process's log output.
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::prelude::*;
+use common::worker::{FakeWorker, Mode};
+use common::{TestDb, rows, wait_until};
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::fetch::FetchConfig;
+use taskbroker::actors::push_pool::PushPoolConfig;
+use taskbroker::broker::{PushPipeline, PushPipelineConfig};
+use taskbroker::config::WorkerEndpoints;
+use taskbroker::metrics::Metrics;
+use taskbroker::store::{ActivationStatus, ActivationStore, PostgresStore};
+
+const FAILURE_LOG: &str = "push to worker failed; backing off";
+
+/// Log output, kept for the test to count lines in.
+#[derive(Clone, Default)]
+struct CapturedLogs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for CapturedLogs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLogs {
+    fn count(&self, needle: &str) -> usize {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines().filter(|line| line.contains(needle)).count()
+    }
+}
+
+#[actix_rt::test]
+async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() {
+    let logs = CapturedLogs::default();
+    let writer = logs.clone();
+    tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .init();
+
+    let db = TestDb::new().await;
+    let store = Arc::new(PostgresStore::connect(&db.store_config()).unwrap());
+    store.migrate().await.unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let store_actor = {
+        let (store, metrics) = (store.clone(), Arc::clone(&metrics));
+        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+            StoreActor::new(store, metrics)
+        })
+    };
+    let mut worker = FakeWorker::start(Mode::accept()).await;
+    let config = PushPipelineConfig {
+        fetch_actors: 2,
+        fetch: FetchConfig {
+            batch_size: 32,
+            backoff: Duration::from_millis(20),
+            queue_timeout: Duration::from_millis(200),
+            lease: Duration::from_secs(30),
+        },
+        push: PushPoolConfig {
+            concurrency: 32,
+            queue_size: 64,
+            push_timeout: Duration::from_secs(1),
+            deadline_grace: Duration::from_secs(3),
+            max_attempts: 5,
+            callback_url: "broker.test:50051".to_owned(),
+            signing_secret: None,
+            endpoints: WorkerEndpoints::parse(&format!("*={}", worker.url())).unwrap(),
+        },
+    };
+    let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics)).unwrap();
+    let processing = |n: u64| {
+        let store = Arc::clone(&store);
+        move || {
+            let store = Arc::clone(&store);
+            async move {
+                store
+                    .count_by_status()
+                    .await
+                    .unwrap()
+                    .get(ActivationStatus::Processing)
+                    == n
+            }
+        }
+    };
+    let all = rows("down", 600);
+    store.insert_batch(&all[..100]).await.unwrap();
+    pipeline.wake();
+    wait_until(
+        "the first rows are pushed",
+        Duration::from_secs(30),
+        processing(100),
+    )
+    .await;
+
+    // Kill the worker, keep the inflow coming for 3 s.
+    worker.kill();
+    let failed_before = Metrics::count(&metrics.pushes, "error");
+    let logs_before = logs.count(FAILURE_LOG);
+    for chunk in all[100..].chunks(100) {
+        store.insert_batch(chunk).await.unwrap();
+        pipeline.wake();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    let attempts_while_down = Metrics::count(&metrics.pushes, "error") - failed_before;
+    let log_lines_while_down = logs.count(FAILURE_LOG) - logs_before;
+
+    let seen_before = worker.seen.attempts();
+    let back = tokio::time::Instant::now();
+    worker.restart();
+    wait_until(
+        "the worker receives pushes again",
+        Duration::from_secs(10),
+        || {
+            let seen = worker.seen.attempts();
+            async move { seen > seen_before }
+        },
+    )
+    .await;
+    let back_after = back.elapsed();
+    wait_until(
+        "every row is pushed",
+        Duration::from_secs(60),
+        processing(600),
+    )
+    .await;
+    pipeline.stop().await;
+
+    // An unthrottled loop makes thousands of connection attempts in 3 s;
+    // with the backoff it is the first burst plus about two probes a second.
+    assert!(
+        attempts_while_down <= 32 + 3 * 4,
+        "{attempts_while_down} push attempts to a dead worker in 3 s"
+    );
+    assert!(attempts_while_down > 0);
+    assert!(
+        log_lines_while_down <= 1,
+        "{log_lines_while_down} failure log lines in 3 s"
+    );
+    assert!(
+        back_after < Duration::from_secs(1),
+        "pushes resumed {back_after:?} after the worker came back"
+    );
+    assert_eq!(
+        store
+            .count_by_status()
+            .await
+            .unwrap()
+            .get(ActivationStatus::Claimed),
+        0
+    );
+}

@@ -7,6 +7,7 @@ pub mod activation;
 pub mod actors;
 pub mod broker;
 pub mod config;
+pub mod demo;
 pub mod grpc;
 pub mod metrics;
 pub mod store;

@@ -124,10 +124,13 @@ impl Metrics {
             "PushTask outcomes, by result.",
             &["result"],
         );
+        // Fine buckets: push latency on a local network is sub-millisecond.
+        let push_buckets =
+            prometheus::exponential_buckets(0.0001, 1.5, 32).expect("valid bucket definition");
         let push_duration = histogram(
             "taskbroker_push_duration_seconds",
             "Duration of PushTask RPCs.",
-            LATENCY_BUCKETS,
+            &push_buckets,
         );
         let received_to_claimed = histogram(
             "taskbroker_received_to_claimed_seconds",
@@ -172,6 +175,32 @@ impl Metrics {
             received_to_claimed,
             received_to_pushed,
         }
+    }
+
+    /// The `q` quantile (0..=1) of a histogram, interpolated linearly inside
+    /// its bucket: an estimate as fine as the buckets.
+    pub fn quantile(histogram: &Histogram, q: f64) -> f64 {
+        let metric = prometheus::core::Metric::metric(histogram);
+        let proto = metric.get_histogram();
+        let total = proto.get_sample_count() as f64;
+        if total == 0.0 {
+            return 0.0;
+        }
+        let target = q.clamp(0.0, 1.0) * total;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for bucket in proto.get_bucket() {
+            let (upper, count) = (bucket.upper_bound(), bucket.cumulative_count() as f64);
+            if count >= target {
+                let share = if count > below {
+                    (target - below) / (count - below)
+                } else {
+                    1.0
+                };
+                return lower + (upper - lower) * share;
+            }
+            (lower, below) = (upper, count);
+        }
+        lower
     }
 
     /// Current value of a labelled counter (tests and the load harness).

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use chrono::{DateTime, Utc};
-use common::worker::{FakeWorker, Mode};
+use common::worker::{DemoWorker, FakeWorker, Mode};
 use common::{TestDb, rows, wait_until};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::fetch::FetchConfig;
@@ -114,12 +114,12 @@ impl Harness {
     }
 }
 
-fn endpoints(workers: &[&FakeWorker]) -> WorkerEndpoints {
+fn endpoints(workers: &[&DemoWorker]) -> WorkerEndpoints {
     let urls: Vec<String> = workers.iter().map(|worker| worker.url()).collect();
     WorkerEndpoints::parse(&format!("*={}", urls.join("|"))).expect("endpoints")
 }
 
-fn config(workers: &[&FakeWorker]) -> PushPipelineConfig {
+fn config(workers: &[&DemoWorker]) -> PushPipelineConfig {
     PushPipelineConfig {
         fetch_actors: 4,
         fetch: FetchConfig {

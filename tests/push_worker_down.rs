@@ -120,7 +120,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
 
     let seen_before = worker.seen.attempts();
     let back = tokio::time::Instant::now();
-    worker.restart();
+    worker.restart().expect("worker restarts");
     wait_until(
         "the worker receives pushes again",
         Duration::from_secs(10),

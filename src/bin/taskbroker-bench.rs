@@ -1,0 +1,292 @@
+//! Load harness: fills a fresh PostgreSQL database with N activations and
+//! drains them through the real push pipeline (StoreActor, FetchActors,
+//! PushPoolActor) into K demo workers on loopback that answer at once.
+//!
+//! ```sh
+//! cargo run --release --bin taskbroker-bench -- push --tasks 100000 --workers 8
+//! ```
+//!
+//! Reports drain throughput, push RPC latency p50/p99 (from the broker's
+//! histogram), how many statements the claims and mark-processing writes
+//! took, and the process's peak RSS. Broker, workers and harness share the
+//! process, so RSS and CPU include the workers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use clap::{Parser, Subcommand};
+use taskbroker::activation::{KafkaPosition, inflight_from_record};
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::fetch::FetchConfig;
+use taskbroker::actors::push_pool::PushPoolConfig;
+use taskbroker::broker::{PushPipeline, PushPipelineConfig};
+use taskbroker::config::WorkerEndpoints;
+use taskbroker::demo::worker::{DemoWorker, Mode};
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::{RetryState, TaskActivation};
+use taskbroker::store::{ActivationStatus, ActivationStore, PostgresStore, PostgresStoreConfig};
+
+#[derive(Parser)]
+#[command(name = "taskbroker-bench", about = "Load harness for taskbroker")]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// Pre-fill the store, then drain it through push delivery.
+    Push(PushArgs),
+}
+
+#[derive(clap::Args)]
+struct PushArgs {
+    /// Activations to drain.
+    #[arg(long, default_value_t = 100_000)]
+    tasks: usize,
+    /// Demo workers (separate tonic servers).
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    #[arg(long, default_value_t = 4)]
+    fetch_actors: usize,
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 128)]
+    queue: usize,
+    #[arg(long, default_value_t = 16)]
+    pool: usize,
+    /// Asynchronous commit for replayable transitions (DB_ASYNC_COMMIT).
+    #[arg(long)]
+    async_commit: bool,
+    /// Server to create the scratch database on.
+    #[arg(
+        long,
+        env = "TASKBROKER_TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    admin_url: String,
+}
+
+fn main() -> Result<(), String> {
+    let cli = Cli::parse();
+    match cli.scenario {
+        Scenario::Push(args) => actix_rt::System::new().block_on(push(args)),
+    }
+}
+
+async fn push(args: PushArgs) -> Result<(), String> {
+    let database = format!("taskbroker_bench_{}", uuid::Uuid::new_v4().simple());
+    let admin = connect(&args.admin_url).await?;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .await
+        .map_err(|err| format!("cannot create {database}: {err}"))?;
+    let outcome = run_push(&args, &database).await;
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .await
+        .map_err(|err| format!("cannot drop {database}: {err}"))?;
+    outcome
+}
+
+async fn run_push(args: &PushArgs, database: &str) -> Result<(), String> {
+    let url = replace_database(&args.admin_url, database);
+    let mut store_config = PostgresStoreConfig::new(url);
+    store_config.pool_size = args.pool;
+    store_config.async_commit = args.async_commit;
+    let store = Arc::new(PostgresStore::connect(&store_config).map_err(|e| e.to_string())?);
+    store.migrate().await.map_err(|e| e.to_string())?;
+
+    let filled = Instant::now();
+    fill(store.as_ref(), args.tasks).await?;
+    let fill_secs = filled.elapsed().as_secs_f64();
+
+    let mut workers = Vec::new();
+    for _ in 0..args.workers {
+        workers.push(
+            DemoWorker::start(Mode::accept())
+                .await
+                .map_err(|e| format!("worker: {e}"))?,
+        );
+    }
+    let urls: Vec<String> = workers.iter().map(DemoWorker::url).collect();
+    let metrics = Arc::new(Metrics::new());
+    let store_actor = {
+        let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
+        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+            StoreActor::new(store, metrics)
+        })
+    };
+    let config = PushPipelineConfig {
+        fetch_actors: args.fetch_actors,
+        fetch: FetchConfig {
+            batch_size: args.batch,
+            backoff: Duration::from_millis(20),
+            queue_timeout: Duration::from_millis(2000),
+            lease: Duration::from_secs(60),
+        },
+        push: PushPoolConfig {
+            concurrency: args.concurrency,
+            queue_size: args.queue,
+            push_timeout: Duration::from_secs(5),
+            deadline_grace: Duration::from_secs(3),
+            max_attempts: 5,
+            callback_url: "127.0.0.1:50051".to_owned(),
+            signing_secret: None,
+            endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|")))?,
+        },
+    };
+
+    let started = Instant::now();
+    let cpu_before = cpu_seconds();
+    let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics))?;
+    let target = args.tasks as u64;
+    loop {
+        let pushed = Metrics::count(&metrics.pushes, "ok");
+        if pushed >= target {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drain_secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu_before;
+    pipeline.stop().await;
+    let counts = store.count_by_status().await.map_err(|e| e.to_string())?;
+    if counts.get(ActivationStatus::Processing) != target {
+        return Err(format!(
+            "expected {target} Processing rows, found {counts:?}"
+        ));
+    }
+
+    let ms = |q| Metrics::quantile(&metrics.push_duration, q) * 1000.0;
+    println!("push drain: {} tasks, {} workers", args.tasks, args.workers);
+    println!(
+        "  settings: fetch_actors={} batch={} concurrency={} queue={} pool={} async_commit={}",
+        args.fetch_actors, args.batch, args.concurrency, args.queue, args.pool, args.async_commit
+    );
+    println!(
+        "  fill (insert batches of 1000): {:.1} s, {:.0} rows/s",
+        fill_secs,
+        args.tasks as f64 / fill_secs
+    );
+    println!(
+        "  drain: {:.2} s, {:.0} tasks/s",
+        drain_secs,
+        args.tasks as f64 / drain_secs
+    );
+    println!(
+        "  push RPC latency: p50 {:.2} ms, p99 {:.2} ms",
+        ms(0.5),
+        ms(0.99)
+    );
+    println!(
+        "  statements: claim {} ({:.1} rows each), mark_processing {} ({:.1} rows each)",
+        metrics.store_calls("claim_for_push"),
+        target as f64 / metrics.store_calls("claim_for_push").max(1) as f64,
+        metrics.store_calls("mark_processing"),
+        target as f64 / metrics.store_calls("mark_processing").max(1) as f64,
+    );
+    println!(
+        "  process CPU: {:.1} s ({:.2} s per 1,000 tasks); peak RSS {} MiB",
+        cpu,
+        cpu * 1000.0 / args.tasks as f64,
+        peak_rss_kib() / 1024
+    );
+    Ok(())
+}
+
+async fn fill(store: &dyn ActivationStore, tasks: usize) -> Result<(), String> {
+    let position = KafkaPosition {
+        topic: "bench".to_owned(),
+        partition: 0,
+        offset: 0,
+    };
+    let mut batch = Vec::with_capacity(1000);
+    for i in 0..tasks {
+        let activation = TaskActivation {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            namespace: "bench".to_owned(),
+            taskname: "bench.noop".to_owned(),
+            parameters_bytes: vec![0x80; 64],
+            retry_state: Some(RetryState {
+                max_attempts: 3,
+                ..Default::default()
+            }),
+            processing_deadline_duration: 60,
+            application: Some("bench".to_owned()),
+            ..Default::default()
+        };
+        let bytes = prost::Message::encode_to_vec(&activation);
+        let mut position = position.clone();
+        position.offset = i as i64;
+        let row = inflight_from_record(&bytes, position, chrono::Utc::now(), Duration::ZERO)
+            .map_err(|e| e.to_string())?;
+        batch.push(row);
+        if batch.len() == 1000 || i + 1 == tasks {
+            store
+                .insert_batch(&batch)
+                .await
+                .map_err(|e| e.to_string())?;
+            batch.clear();
+        }
+    }
+    Ok(())
+}
+
+async fn connect(url: &str) -> Result<tokio_postgres::Client, String> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(|err| format!("cannot connect to {url}: {err}"))?;
+    actix_rt::spawn(connection);
+    Ok(client)
+}
+
+/// `url` with its database name replaced.
+fn replace_database(url: &str, database: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let host = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    if query.is_empty() {
+        format!("{host}/{database}")
+    } else {
+        format!("{host}/{database}?{query}")
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), in KiB.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// User + system CPU seconds this process has used.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the
+    // 12th and 13th of those.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i).and_then(|v| v.parse::<f64>().ok()))
+        .sum();
+    ticks / 100.0 // USER_HZ is 100 on Linux
+}

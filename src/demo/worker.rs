@@ -1,0 +1,253 @@
+//! Demo workers: real tonic `WorkerService` servers on loopback whose
+//! behaviour can be switched at run time and which record what they
+//! received. The tests' fake workers, the load harness's workers and the
+//! demo's worker pool are all this one implementation.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::grpc::verify::VerifySignatureLayer;
+use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
+use crate::proto::{PushTaskRequest, PushTaskResponse};
+use tokio::sync::oneshot;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+
+/// How a fake worker answers PushTask.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mode {
+    /// OK after `delay`.
+    Accept { delay: Duration },
+    /// UNAVAILABLE at once.
+    Unavailable,
+    /// RESOURCE_EXHAUSTED at once, as a Python worker with a full queue.
+    Busy,
+    /// Never answers.
+    Hang,
+    /// Never answers the first push of an id; accepts later ones.
+    HangOnFirstDelivery,
+}
+
+impl Mode {
+    pub fn accept() -> Mode {
+        Mode::Accept {
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+/// What a worker saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// PushTask calls that reached the handler.
+    pub attempts: AtomicU64,
+    /// Ids the worker accepted (answered OK), in order.
+    pub accepted: Mutex<Vec<String>>,
+    /// Every callback_url received.
+    pub callback_urls: Mutex<HashSet<String>>,
+    first_deliveries: Mutex<HashSet<String>>,
+}
+
+impl Seen {
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::SeqCst)
+    }
+
+    pub fn accepted(&self) -> Vec<String> {
+        self.accepted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+struct Handler {
+    mode: Arc<Mutex<Mode>>,
+    seen: Arc<Seen>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for Handler {
+    async fn push_task(
+        &self,
+        request: Request<PushTaskRequest>,
+    ) -> Result<Response<PushTaskResponse>, Status> {
+        self.seen.attempts.fetch_add(1, Ordering::SeqCst);
+        let request = request.into_inner();
+        let id = request
+            .task
+            .map(|task| task.id)
+            .ok_or_else(|| Status::invalid_argument("no task"))?;
+        self.seen
+            .callback_urls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(request.callback_url);
+        let mode = self
+            .mode
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match mode {
+            Mode::Accept { delay } => {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+            }
+            Mode::Unavailable => return Err(Status::unavailable("worker shutting down")),
+            Mode::Busy => return Err(Status::resource_exhausted("queue full")),
+            Mode::Hang => std::future::pending::<()>().await,
+            Mode::HangOnFirstDelivery => {
+                let first = self
+                    .seen
+                    .first_deliveries
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(id.clone());
+                if first {
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+        self.seen
+            .accepted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(id);
+        Ok(Response::new(PushTaskResponse {}))
+    }
+}
+
+/// A running fake worker. Each serves from a thread and runtime of its own,
+/// so killing it drops every connection at once, as a killed process would.
+pub struct DemoWorker {
+    pub addr: SocketAddr,
+    pub seen: Arc<Seen>,
+    mode: Arc<Mutex<Mode>>,
+    secrets: Vec<String>,
+    server: Option<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>,
+}
+
+impl DemoWorker {
+    pub async fn start(mode: Mode) -> std::io::Result<DemoWorker> {
+        Self::start_signed(mode, Vec::new()).await
+    }
+
+    /// A worker that requires requests signed with one of `secrets`.
+    pub async fn start_signed(mode: Mode, secrets: Vec<String>) -> std::io::Result<DemoWorker> {
+        Self::start_on(
+            "127.0.0.1:0".parse().map_err(std::io::Error::other)?,
+            mode,
+            secrets,
+        )
+        .await
+    }
+
+    /// A worker on `addr` (port 0: any free port).
+    pub async fn start_on(
+        addr: SocketAddr,
+        mode: Mode,
+        secrets: Vec<String>,
+    ) -> std::io::Result<DemoWorker> {
+        let mut worker = DemoWorker {
+            addr,
+            seen: Arc::new(Seen::default()),
+            mode: Arc::new(Mutex::new(mode)),
+            secrets,
+            server: None,
+        };
+        worker.addr = worker.serve()?;
+        Ok(worker)
+    }
+
+    /// Serves on `self.addr` (port 0: any), returning the bound address.
+    fn serve(&mut self) -> std::io::Result<SocketAddr> {
+        let handler = Handler {
+            mode: Arc::clone(&self.mode),
+            seen: Arc::clone(&self.seen),
+        };
+        let layer = VerifySignatureLayer::new(self.secrets.clone(), 4 * 1024 * 1024);
+        let addr = self.addr;
+        let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(err) => {
+                    let _ = bound_tx.send(Err(err));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let listener = match listen(addr) {
+                    Ok(listener) => listener,
+                    Err(err) => {
+                        let _ = bound_tx.send(Err(err));
+                        return;
+                    }
+                };
+                let _ = bound_tx.send(listener.local_addr());
+                let server = Server::builder()
+                    .layer(layer)
+                    .add_service(WorkerServiceServer::new(handler))
+                    .serve_with_incoming(TcpIncoming::from(listener));
+                tokio::select! {
+                    _ = server => {}
+                    _ = stop_rx => {}
+                }
+            });
+            // Dropping the runtime drops every connection task with it.
+            runtime.shutdown_background();
+        });
+        self.server = Some((stop_tx, thread));
+        bound_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("worker thread exited before listening"))?
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn set_mode(&self, mode: Mode) {
+        *self.mode.lock().unwrap_or_else(PoisonError::into_inner) = mode;
+    }
+
+    /// Kills the server: the port refuses connections until `restart`.
+    pub fn kill(&mut self) {
+        if let Some((stop, thread)) = self.server.take() {
+            let _ = stop.send(());
+            let _ = thread.join();
+        }
+    }
+
+    /// Serves again on the same port.
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.serve().map(drop)
+    }
+}
+
+/// SO_REUSEADDR, so a restarted worker takes its old port back.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+impl Drop for DemoWorker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

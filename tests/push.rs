@@ -589,3 +589,29 @@ async fn pushes_with_the_wrong_secret_are_refused_by_the_worker() {
     assert_eq!(harness.count(ActivationStatus::Processing).await, 0);
     assert_eq!(harness.attempts_consumed().await, 0);
 }
+
+#[actix_rt::test]
+async fn idle_fetch_actors_are_woken_when_rows_are_stored() {
+    let harness = Harness::new().await;
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let mut config = config(&[&worker]);
+    config.fetch.backoff = Duration::from_secs(600); // only a wake-up can help
+    let pipeline = harness.start(config);
+    let metrics = Arc::clone(&harness.metrics);
+    wait_until(
+        "every fetch actor found nothing",
+        Duration::from_secs(10),
+        || {
+            let claims = harness.metrics.store_calls("claim_for_push");
+            async move { claims >= 4 }
+        },
+    )
+    .await;
+    harness.insert("woken", 10).await;
+    pipeline.wake();
+    harness
+        .wait_for(ActivationStatus::Processing, 10, Duration::from_secs(10))
+        .await;
+    assert_eq!(Metrics::count(&metrics.pushes, "ok"), 10);
+    pipeline.stop().await;
+}

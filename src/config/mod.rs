@@ -326,6 +326,16 @@ pub const SETTINGS: &[Setting] = &[
         secret: false,
     },
     Setting {
+        name: "MAX_ACTIVATION_BYTES",
+        default: "1048576",
+        allowed: Allowed::Integer {
+            min: 1024,
+            max: 67_108_864,
+        },
+        description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic.",
+        secret: false,
+    },
+    Setting {
         name: "MAX_INFLIGHT",
         default: "100000",
         allowed: Allowed::Integer {
@@ -568,6 +578,8 @@ pub struct Config {
     pub insert_batch_size: usize,
     /// `INSERT_BATCH_MAX_MS`.
     pub insert_batch_max_wait: Duration,
+    /// `MAX_ACTIVATION_BYTES`.
+    pub max_activation_bytes: usize,
     /// `MAX_INFLIGHT`.
     pub max_inflight: usize,
     /// `MAX_PROCESSING_ATTEMPTS`.
@@ -726,6 +738,7 @@ impl Config {
             "CLAIM_LEASE_MS" => self.claim_lease_override.and_then(ms),
             "INSERT_BATCH_SIZE" => text(self.insert_batch_size),
             "INSERT_BATCH_MAX_MS" => ms(self.insert_batch_max_wait),
+            "MAX_ACTIVATION_BYTES" => text(self.max_activation_bytes),
             "MAX_INFLIGHT" => text(self.max_inflight),
             "MAX_PROCESSING_ATTEMPTS" => text(self.max_processing_attempts),
             "PROCESSING_DEADLINE_GRACE_SEC" => secs(self.processing_deadline_grace),
@@ -1055,6 +1068,7 @@ impl Values {
             claim_lease_override: self.take("CLAIM_LEASE_MS")?,
             insert_batch_size: self.take("INSERT_BATCH_SIZE")?,
             insert_batch_max_wait: self.take("INSERT_BATCH_MAX_MS")?,
+            max_activation_bytes: self.take("MAX_ACTIVATION_BYTES")?,
             max_inflight: self.take("MAX_INFLIGHT")?,
             max_processing_attempts: self.take("MAX_PROCESSING_ATTEMPTS")?,
             processing_deadline_grace: self.take("PROCESSING_DEADLINE_GRACE_SEC")?,

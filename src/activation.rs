@@ -25,6 +25,8 @@ pub enum ActivationError {
     InvalidReceivedAt { seconds: i64, nanos: i32 },
     #[error("{field} of {value} seconds is out of range")]
     OutOfRange { field: &'static str, value: u64 },
+    #[error("record of {bytes} bytes is larger than the {limit}-byte limit")]
+    TooLarge { bytes: usize, limit: usize },
 }
 
 impl ActivationError {
@@ -37,6 +39,7 @@ impl ActivationError {
             ActivationError::UnknownOnAttemptsExceeded(_) => "unknown_enum",
             ActivationError::InvalidReceivedAt { .. } => "invalid_timestamp",
             ActivationError::OutOfRange { .. } => "out_of_range",
+            ActivationError::TooLarge { .. } => "too_large",
         }
     }
 }
@@ -156,6 +159,28 @@ pub fn rewrite_retry_state(
     if let Some(delay) = delay_on_retry {
         retry_state.delay_on_retry = Some(delay);
     }
+    Ok(activation.encode_to_vec())
+}
+
+/// The activation upkeep produces to the retry topic for a task a worker
+/// asked to retry (PROTOCOL.md, "Kafka payloads"): a fresh id, `received_at`
+/// now, one more attempt, `delay` taken from `delay_on_retry` (cleared when
+/// that is unset); everything else kept.
+pub fn retry_activation(
+    stored: &[u8],
+    new_id: String,
+    now: DateTime<Utc>,
+) -> Result<Vec<u8>, ActivationError> {
+    let mut activation = TaskActivation::decode(stored)
+        .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
+    activation.id = new_id;
+    activation.received_at = Some(prost_types::Timestamp {
+        seconds: now.timestamp(),
+        nanos: i32::try_from(now.timestamp_subsec_nanos()).unwrap_or(0),
+    });
+    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
+    retry_state.attempts = retry_state.attempts.saturating_add(1);
+    activation.delay = retry_state.delay_on_retry.filter(|delay| *delay > 0);
     Ok(activation.encode_to_vec())
 }
 
@@ -316,6 +341,35 @@ mod tests {
         let first = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
         let second = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
         assert_eq!(first.bucket, second.bucket);
+    }
+
+    #[test]
+    fn retry_activation_is_a_fresh_next_attempt() {
+        let mut activation = base_activation();
+        activation.delay = Some(99);
+        activation.headers.insert("k".into(), "v".into());
+        activation.retry_state = Some(RetryState {
+            attempts: 1,
+            max_attempts: 5,
+            delay_on_retry: Some(30),
+            ..Default::default()
+        });
+        let bytes = retry_activation(&activation.encode_to_vec(), "new-id".into(), now()).unwrap();
+        let retried = TaskActivation::decode(bytes.as_slice()).unwrap();
+        assert_eq!(retried.id, "new-id");
+        assert_eq!(retried.received_at.unwrap().seconds, now().timestamp());
+        assert_eq!(retried.retry_state.unwrap().attempts, 2);
+        assert_eq!(retried.delay, Some(30));
+        assert_eq!(retried.headers, activation.headers);
+        assert_eq!(retried.taskname, activation.taskname);
+
+        activation.retry_state.as_mut().unwrap().delay_on_retry = None;
+        let bytes = retry_activation(&activation.encode_to_vec(), "x".into(), now()).unwrap();
+        assert_eq!(
+            TaskActivation::decode(bytes.as_slice()).unwrap().delay,
+            None
+        );
+        assert!(retry_activation(&[0xff, 0xff], "x".into(), now()).is_err());
     }
 
     #[test]

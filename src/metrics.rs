@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::store::{ActivationStatus, StatusCounts, StoreError};
@@ -39,6 +39,27 @@ pub struct Metrics {
     pub received_to_claimed: Histogram,
     /// Time from `received_at` until a worker accepted the push.
     pub received_to_pushed: Histogram,
+    /// Consumed records by result (stored, duplicate, invalid, expired).
+    pub consumer_records: IntCounterVec,
+    /// Invalid consumed records by reason.
+    pub invalid_records: IntCounterVec,
+    /// Records written to the ingest dead-letter topic, by result (ok, error).
+    pub ingest_dead_letters: IntCounterVec,
+    /// Partitions this broker's consumer holds.
+    pub partitions_assigned: IntGauge,
+    /// Partitions paused for backpressure.
+    pub partitions_paused: IntGauge,
+    /// Completed upkeep cycles.
+    pub upkeep_cycles: IntCounter,
+    /// Upkeep step durations, by step.
+    pub upkeep_duration: HistogramVec,
+    /// Rows each upkeep step moved or removed, by step.
+    pub upkeep_transitions: IntCounterVec,
+    /// Upkeep step failures, by step.
+    pub upkeep_errors: IntCounterVec,
+    /// Records upkeep produced to Kafka, by kind (retry, deadletter) and
+    /// result (ok, error).
+    pub published: IntCounterVec,
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -142,6 +163,72 @@ impl Metrics {
             "Time from an activation's received_at until a worker accepted it.",
             LATENCY_BUCKETS,
         );
+        let consumer_records = counter_vec(
+            "taskbroker_consumer_records_total",
+            "Consumed Kafka records, by result.",
+            &["result"],
+        );
+        let invalid_records = counter_vec(
+            "taskbroker_consumer_invalid_records_total",
+            "Consumed records that are not valid activations, by reason.",
+            &["reason"],
+        );
+        let ingest_dead_letters = counter_vec(
+            "taskbroker_ingest_dead_letters_total",
+            "Invalid records written to the ingest dead-letter topic, by result.",
+            &["result"],
+        );
+        let partitions_assigned = IntGauge::new(
+            "taskbroker_consumer_partitions_assigned",
+            "Kafka partitions assigned to this broker.",
+        )
+        .expect("valid metric definition");
+        let partitions_paused = IntGauge::new(
+            "taskbroker_consumer_partitions_paused",
+            "Kafka partitions paused because the store holds MAX_INFLIGHT rows.",
+        )
+        .expect("valid metric definition");
+        let upkeep_cycles = counter("taskbroker_upkeep_cycles_total", "Completed upkeep cycles.");
+        let upkeep_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "taskbroker_upkeep_step_duration_seconds",
+                "Duration of each upkeep step.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["step"],
+        )
+        .expect("valid metric definition");
+        let upkeep_transitions = counter_vec(
+            "taskbroker_upkeep_transitions_total",
+            "Rows moved or removed by upkeep, by step.",
+            &["step"],
+        );
+        let upkeep_errors = counter_vec(
+            "taskbroker_upkeep_errors_total",
+            "Upkeep steps that failed, by step.",
+            &["step"],
+        );
+        let published = counter_vec(
+            "taskbroker_published_total",
+            "Retry and dead-letter records produced by upkeep, by kind and result.",
+            &["kind", "result"],
+        );
+        for collector in [
+            Box::new(consumer_records.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(invalid_records.clone()),
+            Box::new(ingest_dead_letters.clone()),
+            Box::new(partitions_assigned.clone()),
+            Box::new(partitions_paused.clone()),
+            Box::new(upkeep_cycles.clone()),
+            Box::new(upkeep_duration.clone()),
+            Box::new(upkeep_transitions.clone()),
+            Box::new(upkeep_errors.clone()),
+            Box::new(published.clone()),
+        ] {
+            registry
+                .register(collector)
+                .expect("metric names are unique");
+        }
         for collector in [
             Box::new(store_duration.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(store_errors.clone()),
@@ -174,6 +261,16 @@ impl Metrics {
             push_duration,
             received_to_claimed,
             received_to_pushed,
+            consumer_records,
+            invalid_records,
+            ingest_dead_letters,
+            partitions_assigned,
+            partitions_paused,
+            upkeep_cycles,
+            upkeep_duration,
+            upkeep_transitions,
+            upkeep_errors,
+            published,
         }
     }
 

@@ -2,10 +2,14 @@
 //! through typed messages.
 
 pub mod claims;
+pub mod consumer;
 pub mod fetch;
 pub mod push_pool;
 pub mod store;
+pub mod upkeep;
 
+pub use consumer::ConsumerActor;
 pub use fetch::FetchActor;
 pub use push_pool::PushPoolActor;
 pub use store::StoreActor;
+pub use upkeep::UpkeepActor;

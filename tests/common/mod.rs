@@ -2,6 +2,7 @@
 //! in parallel without seeing each other's rows.
 #![allow(dead_code)]
 
+pub mod kafka;
 pub mod worker;
 
 use std::sync::Arc;

@@ -1,0 +1,393 @@
+//! UpkeepActor: the timed transitions of the activation lifecycle.
+//!
+//! - Owns: the upkeep timer and a Kafka producer for retries and dead letters.
+//! - Receives: [`RunUpkeep`] (its own timer, or a caller who wants a cycle
+//!   now), [`StopUpkeep`].
+//! - Sends: upkeep messages to the StoreActor; retry and dead-letter records
+//!   to Kafka; [`WakeFetch`] to FetchActors when rows became runnable.
+//! - Mailbox: actix's default; only timer and control messages arrive.
+//!
+//! One cycle runs at a time: the next is scheduled `UPKEEP_INTERVAL_MS` after
+//! the previous one finished. Every step is one bounded statement
+//! (`UPKEEP_BATCH_LIMIT`), and a failing step is counted and logged without
+//! stopping the others. Publishing steps take rows under a publish lease, so
+//! two brokers never publish the same row, and mark them Complete only after
+//! Kafka acknowledged the record: while Kafka is down the rows stay Retry or
+//! Failure and are published when it returns.
+//!
+//! Right after startup, claim-lease and processing-deadline expiry wait
+//! `RESTART_GRACE_SEC`, so workers can still report results for tasks they
+//! received before the restart.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio::time::Instant;
+
+use super::fetch::WakeFetch;
+use super::store::{
+    CountByStatus, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
+    MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
+    RemoveExpired, StoreActor, TakeForPublish,
+};
+use crate::activation::retry_activation;
+use crate::kafka::KafkaSettings;
+use crate::metrics::Metrics;
+use crate::store::{PublishKind, StoreError};
+
+/// Settings of the upkeep.
+#[derive(Debug, Clone)]
+pub struct UpkeepConfig {
+    pub interval: Duration,
+    pub batch_limit: usize,
+    pub max_attempts: u32,
+    pub restart_grace: Duration,
+    pub kafka: KafkaSettings,
+    pub retry_topic: String,
+    pub dlq_topic: String,
+    /// How long a publish may wait for Kafka's acknowledgement.
+    pub delivery_timeout: Duration,
+    /// How long rows taken for publishing stay reserved to this broker;
+    /// longer than `delivery_timeout`, so a slow acknowledgement never lets
+    /// another broker publish the same row.
+    pub publish_lease: Duration,
+}
+
+/// Run one upkeep cycle now (unless one is running). Answers whether a cycle
+/// ran.
+#[derive(Debug, Message)]
+#[rtype(result = "bool")]
+pub struct RunUpkeep;
+
+/// Stop after the current cycle.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct StopUpkeep;
+
+pub struct UpkeepActor {
+    config: UpkeepConfig,
+    store: Addr<StoreActor>,
+    producer: FutureProducer,
+    wake: Vec<Recipient<WakeFetch>>,
+    metrics: Arc<Metrics>,
+    started_at: Instant,
+    running: bool,
+    next: Option<SpawnHandle>,
+}
+
+impl UpkeepActor {
+    pub fn new(
+        config: UpkeepConfig,
+        store: Addr<StoreActor>,
+        wake: Vec<Recipient<WakeFetch>>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let producer: FutureProducer = config
+            .kafka
+            .producer(config.delivery_timeout)
+            .create()
+            .map_err(|err| format!("Kafka producer for upkeep: {err}"))?;
+        Ok(UpkeepActor {
+            config,
+            store,
+            producer,
+            wake,
+            metrics,
+            started_at: Instant::now(),
+            running: false,
+            next: None,
+        })
+    }
+
+    fn schedule(&mut self, ctx: &mut Context<Self>) {
+        self.next = Some(ctx.run_later(self.config.interval, |act, ctx| {
+            act.next = None;
+            ctx.notify(RunUpkeep);
+        }));
+    }
+}
+
+impl Actor for UpkeepActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.notify(RunUpkeep);
+    }
+}
+
+impl Handler<RunUpkeep> for UpkeepActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: RunUpkeep, ctx: &mut Self::Context) -> bool {
+        if self.running {
+            return false;
+        }
+        if let Some(next) = self.next.take() {
+            ctx.cancel_future(next);
+        }
+        self.running = true;
+        let cycle = Cycle {
+            config: self.config.clone(),
+            store: self.store.clone(),
+            producer: self.producer.clone(),
+            metrics: Arc::clone(&self.metrics),
+            expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
+        };
+        ctx.spawn(cycle.run().into_actor(self).map(|runnable, act, ctx| {
+            act.running = false;
+            act.metrics.upkeep_cycles.inc();
+            if runnable {
+                for fetcher in &act.wake {
+                    let _ = fetcher.try_send(WakeFetch);
+                }
+            }
+            act.schedule(ctx);
+        }));
+        true
+    }
+}
+
+impl Handler<StopUpkeep> for UpkeepActor {
+    type Result = ();
+
+    fn handle(&mut self, _: StopUpkeep, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+/// One upkeep cycle's work, detached from the actor.
+struct Cycle {
+    config: UpkeepConfig,
+    store: Addr<StoreActor>,
+    producer: FutureProducer,
+    metrics: Arc<Metrics>,
+    expiry_allowed: bool,
+}
+
+type StepResult = Result<Result<u64, StoreError>, MailboxError>;
+
+impl Cycle {
+    /// Runs every step; answers whether rows became runnable.
+    async fn run(self) -> bool {
+        let limit = self.config.batch_limit;
+        self.publish(PublishKind::Retry).await;
+        self.publish(PublishKind::DeadLetter).await;
+        self.step(
+            "discard_failures",
+            self.store.send(DiscardFailures { limit }),
+        )
+        .await;
+        let mut runnable = 0;
+        if self.expiry_allowed {
+            runnable += self
+                .step(
+                    "release_expired_claims",
+                    self.store.send(ReleaseExpiredClaims { limit }),
+                )
+                .await;
+            runnable += self.processing_deadlines().await;
+        }
+        let max_attempts = self.config.max_attempts;
+        self.step(
+            "fail_exhausted_attempts",
+            self.store.send(FailExhaustedAttempts {
+                max_attempts,
+                limit,
+            }),
+        )
+        .await;
+        self.step("remove_expired", self.store.send(RemoveExpired { limit }))
+            .await;
+        runnable += self
+            .step("release_delayed", self.store.send(ReleaseDelayed { limit }))
+            .await;
+        self.step(
+            "remove_completed",
+            self.store.send(RemoveCompleted { limit }),
+        )
+        .await;
+        self.refresh_gauges().await;
+        runnable > 0
+    }
+
+    /// Times one store step, counts what it moved, logs and counts failures.
+    async fn step(&self, name: &'static str, request: impl Future<Output = StepResult>) -> u64 {
+        let started = Instant::now();
+        let result = request.await;
+        self.metrics
+            .upkeep_duration
+            .with_label_values(&[name])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(Ok(moved)) => {
+                self.metrics
+                    .upkeep_transitions
+                    .with_label_values(&[name])
+                    .inc_by(moved);
+                moved
+            }
+            Ok(Err(err)) => self.failed(name, &err),
+            Err(err) => self.failed(name, &err),
+        }
+    }
+
+    fn failed(&self, name: &'static str, err: &dyn std::fmt::Display) -> u64 {
+        self.metrics.upkeep_errors.with_label_values(&[name]).inc();
+        tracing::warn!(step = name, error = %err, "upkeep step failed");
+        0
+    }
+
+    async fn processing_deadlines(&self) -> u64 {
+        const NAME: &str = "processing_deadlines";
+        let started = Instant::now();
+        let result = self
+            .store
+            .send(HandleProcessingDeadlines {
+                limit: self.config.batch_limit,
+            })
+            .await;
+        self.metrics
+            .upkeep_duration
+            .with_label_values(&[NAME])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(Ok(outcome)) => {
+                self.metrics
+                    .upkeep_transitions
+                    .with_label_values(&["processing_deadline_retried"])
+                    .inc_by(outcome.retried);
+                self.metrics
+                    .upkeep_transitions
+                    .with_label_values(&["processing_deadline_failed"])
+                    .inc_by(outcome.failed);
+                outcome.retried
+            }
+            Ok(Err(err)) => self.failed(NAME, &err),
+            Err(err) => self.failed(NAME, &err),
+        }
+    }
+
+    /// Publishes Retry rows (as new activations) or dead letters (the stored
+    /// bytes), completing each row only once Kafka acknowledged it.
+    async fn publish(&self, kind: PublishKind) {
+        let (name, label, topic) = match kind {
+            PublishKind::Retry => ("publish_retries", "retry", &self.config.retry_topic),
+            PublishKind::DeadLetter => {
+                ("publish_dead_letters", "deadletter", &self.config.dlq_topic)
+            }
+        };
+        let started = Instant::now();
+        let taken = match self
+            .store
+            .send(TakeForPublish {
+                kind,
+                limit: self.config.batch_limit,
+                lease: self.config.publish_lease,
+            })
+            .await
+        {
+            Ok(Ok(rows)) => rows,
+            Ok(Err(err)) => {
+                self.failed(name, &err);
+                return;
+            }
+            Err(err) => {
+                self.failed(name, &err);
+                return;
+            }
+        };
+        if taken.is_empty() {
+            return;
+        }
+        let now = chrono::Utc::now();
+        let deliveries = taken.into_iter().map(|row| {
+            let producer = self.producer.clone();
+            let metrics = Arc::clone(&self.metrics);
+            let timeout = self.config.delivery_timeout;
+            async move {
+                let (key, payload) = match kind {
+                    PublishKind::DeadLetter => (row.id.clone(), row.activation),
+                    PublishKind::Retry => {
+                        let new_id = uuid::Uuid::new_v4().to_string();
+                        match retry_activation(&row.activation, new_id.clone(), now) {
+                            Ok(bytes) => (new_id, bytes),
+                            Err(err) => {
+                                // Cannot happen for rows that passed ingest;
+                                // completing it is the only way not to loop.
+                                tracing::error!(activation_id = %row.id, error = %err,
+                                    "stored activation cannot be retried; completing it");
+                                metrics.published.with_label_values(&[label, "error"]).inc();
+                                return Some(row.id);
+                            }
+                        }
+                    }
+                };
+                let sent = producer
+                    .send(
+                        FutureRecord::to(topic).key(&key).payload(&payload),
+                        rdkafka::util::Timeout::After(timeout),
+                    )
+                    .await;
+                match sent {
+                    Ok(_) => {
+                        metrics.published.with_label_values(&[label, "ok"]).inc();
+                        Some(row.id)
+                    }
+                    Err((err, _)) => {
+                        metrics.published.with_label_values(&[label, "error"]).inc();
+                        tracing::warn!(activation_id = %row.id, error = %err, topic = %topic,
+                            "publish not acknowledged; the row stays and is published later");
+                        None
+                    }
+                }
+            }
+        });
+        let acknowledged: Vec<String> = futures::future::join_all(deliveries)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        match self.store.send(MarkPublished { ids: acknowledged }).await {
+            Ok(Ok(completed)) => self
+                .metrics
+                .upkeep_transitions
+                .with_label_values(&[name])
+                .inc_by(completed),
+            // The records are on Kafka but the rows stay: after the lease they
+            // are published again (a duplicate, never a loss).
+            Ok(Err(err)) => {
+                self.failed(name, &err);
+            }
+            Err(err) => {
+                self.failed(name, &err);
+            }
+        }
+        self.metrics
+            .upkeep_duration
+            .with_label_values(&[name])
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    async fn refresh_gauges(&self) {
+        match self.store.send(CountByStatus {}).await {
+            Ok(Ok(counts)) => self.metrics.set_status_counts(&counts),
+            Ok(Err(err)) => {
+                self.failed("count_by_status", &err);
+            }
+            Err(err) => {
+                self.failed("count_by_status", &err);
+            }
+        }
+        match self.store.send(MaxPendingLag {}).await {
+            Ok(Ok(lag)) => self.metrics.max_lag_seconds.set(lag),
+            Ok(Err(err)) => {
+                self.failed("max_pending_lag", &err);
+            }
+            Err(err) => {
+                self.failed("max_pending_lag", &err);
+            }
+        }
+    }
+}

@@ -1,0 +1,535 @@
+//! Kafka ingestion through the ConsumerActor, against librdkafka's
+//! in-process mock cluster (the real Kafka protocol) and real PostgreSQL.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use common::kafka::{MockKafka, payload};
+use common::worker::{FakeWorker, Mode};
+use common::{TestDb, wait_until};
+use prost::Message as _;
+use rdkafka::message::{Headers, Message as _};
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig, REASON_HEADER, StopConsuming};
+use taskbroker::actors::fetch::FetchConfig;
+use taskbroker::actors::push_pool::PushPoolConfig;
+use taskbroker::actors::upkeep::{UpkeepActor, UpkeepConfig};
+use taskbroker::broker::{PushPipeline, PushPipelineConfig};
+use taskbroker::config::WorkerEndpoints;
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::{RetryState, TaskActivation};
+use taskbroker::store::{
+    ActivationStatus, ActivationStore, PostgresStore, PullFilter, StatusUpdate, WorkerStatus,
+};
+
+const TOPIC: &str = "tasks";
+const INGEST_DLQ: &str = "ingest-dlq";
+const PARTITIONS: i32 = 4;
+
+struct Harness {
+    _db: TestDb,
+    kafka: MockKafka,
+    store: Arc<PostgresStore>,
+    store_actor: Addr<StoreActor>,
+}
+
+impl Harness {
+    async fn new() -> Harness {
+        let db = TestDb::new().await;
+        let store = db.store().await;
+        let store_actor = {
+            let store = Arc::clone(&store);
+            StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+                StoreActor::new(store, Arc::new(Metrics::new()))
+            })
+        };
+        let kafka = MockKafka::start();
+        kafka.create_topic(TOPIC, PARTITIONS);
+        kafka.create_topic(INGEST_DLQ, 1);
+        Harness {
+            _db: db,
+            kafka,
+            store,
+            store_actor,
+        }
+    }
+
+    fn consumer_config(&self) -> ConsumerConfig {
+        ConsumerConfig {
+            kafka: self.kafka.settings(),
+            topic: TOPIC.to_owned(),
+            group: "taskbroker".to_owned(),
+            auto_offset_reset: "earliest".to_owned(),
+            ingest_dlq_topic: INGEST_DLQ.to_owned(),
+            batch_size: 256,
+            batch_max_wait: Duration::from_millis(20),
+            max_inflight: 1_000_000,
+            max_delay: Duration::from_secs(3600),
+            max_activation_bytes: 1 << 20,
+            crash_before_commit_after: None,
+        }
+    }
+
+    /// A consumer with its own metrics.
+    fn consume(&self, config: ConsumerConfig) -> (Addr<ConsumerActor>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let actor = ConsumerActor::new(
+            config,
+            self.store_actor.clone(),
+            vec![],
+            Arc::clone(&metrics),
+        );
+        (actor.start(), metrics)
+    }
+
+    async fn total(&self) -> u64 {
+        self.store.count_by_status().await.expect("count").total()
+    }
+
+    async fn wait_for_total(&self, n: u64) {
+        wait_until(
+            &format!("{n} rows are stored"),
+            Duration::from_secs(60),
+            || async { self.total().await == n },
+        )
+        .await;
+    }
+}
+
+fn activation(id: String) -> TaskActivation {
+    TaskActivation {
+        id,
+        namespace: "ingest".to_owned(),
+        taskname: "tests.ingest".to_owned(),
+        received_at: Some(prost_types::Timestamp {
+            seconds: chrono::Utc::now().timestamp(),
+            nanos: 0,
+        }),
+        processing_deadline_duration: 30,
+        application: Some("app".to_owned()),
+        ..Default::default()
+    }
+}
+
+fn valid_payloads(prefix: &str, n: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| activation(format!("{prefix}-{i}")).encode_to_vec())
+        .collect()
+}
+
+#[actix_rt::test]
+async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end() {
+    let harness = Harness::new().await;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("bulk", 10_000))
+        .await;
+    let (consumer, metrics) = harness.consume(harness.consumer_config());
+    harness.wait_for_total(10_000).await;
+    let ends = harness.kafka.end_offsets(TOPIC, PARTITIONS);
+    assert_eq!(ends.iter().sum::<i64>(), 10_000);
+    wait_until(
+        "committed offsets reach the end offsets",
+        Duration::from_secs(30),
+        || {
+            let committed = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS);
+            let done = committed == ends;
+            async move { done }
+        },
+    )
+    .await;
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 10_000);
+    consumer.send(StopConsuming).await.expect("consumer stops");
+
+    // A restarted consumer resumes after the committed offsets: the only
+    // record it reads is a new one.
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    harness
+        .kafka
+        .produce(TOPIC, &[activation("sentinel".to_owned()).encode_to_vec()])
+        .await;
+    harness.wait_for_total(10_001).await;
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 1);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+}
+
+#[actix_rt::test]
+async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates() {
+    let harness = Harness::new().await;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("crash", 500))
+        .await;
+    let mut config = harness.consumer_config();
+    config.batch_size = 100;
+    config.batch_max_wait = Duration::from_secs(10); // batches close by size
+    config.crash_before_commit_after = Some(1);
+    let (crashed, _) = harness.consume(config);
+    wait_until(
+        "the consumer dies after its first insert",
+        Duration::from_secs(30),
+        || {
+            let alive = crashed.connected();
+            async move { !alive }
+        },
+    )
+    .await;
+    let stored_before_crash = harness.total().await;
+    assert_eq!(stored_before_crash, 100);
+    assert_eq!(
+        harness.kafka.committed("taskbroker", TOPIC, PARTITIONS),
+        vec![-1; PARTITIONS as usize],
+        "nothing was committed"
+    );
+
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    harness.wait_for_total(500).await;
+    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 100);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 400);
+}
+
+#[actix_rt::test]
+async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
+    let harness = Harness::new().await;
+    let mut config = harness.consumer_config();
+    config.max_activation_bytes = 2048;
+    let mut bad: Vec<(&str, Vec<u8>)> = Vec::new();
+    for i in 0..50 {
+        bad.push(("empty_payload", Vec::new()));
+        bad.push(("undecodable", vec![0xff, 0xff, 0xff, i as u8]));
+        bad.push(("empty_id", activation(String::new()).encode_to_vec()));
+        let mut unknown_enum = activation(format!("enum-{i}"));
+        unknown_enum.retry_state = Some(RetryState {
+            on_attempts_exceeded: 7,
+            ..Default::default()
+        });
+        bad.push(("unknown_enum", unknown_enum.encode_to_vec()));
+        let mut huge = activation(format!("huge-{i}"));
+        huge.parameters_bytes = vec![1; 4096];
+        bad.push(("too_large", huge.encode_to_vec()));
+    }
+    let good = valid_payloads("good", 500);
+    // Interleave: good and bad records share partitions and batches.
+    let mut mixed = Vec::new();
+    let mut good_iter = good.iter();
+    for (_, bytes) in &bad {
+        mixed.push(bytes.clone());
+        mixed.extend(good_iter.by_ref().take(2).cloned());
+    }
+    mixed.extend(good_iter.cloned());
+    harness.kafka.produce(TOPIC, &mixed).await;
+
+    let (_consumer, metrics) = harness.consume(config);
+    harness.wait_for_total(500).await;
+    wait_until(
+        "every bad record is dead-lettered",
+        Duration::from_secs(30),
+        || {
+            let done = Metrics::count(&metrics.ingest_dead_letters, "ok") == 250;
+            async move { done }
+        },
+    )
+    .await;
+    for reason in [
+        "empty_payload",
+        "undecodable",
+        "empty_id",
+        "unknown_enum",
+        "too_large",
+    ] {
+        assert_eq!(
+            Metrics::count(&metrics.invalid_records, reason),
+            50,
+            "{reason}"
+        );
+    }
+    let dead = harness.kafka.read_all(INGEST_DLQ, 1);
+    assert_eq!(dead.len(), 250);
+    let mut by_reason: HashMap<String, usize> = HashMap::new();
+    let expected: HashSet<Vec<u8>> = bad.iter().map(|(_, bytes)| bytes.clone()).collect();
+    for record in &dead {
+        assert!(expected.contains(&payload(record)), "original bytes kept");
+        let headers = record.headers().expect("error headers");
+        let reason = headers
+            .iter()
+            .find(|header| header.key == REASON_HEADER)
+            .and_then(|header| header.value)
+            .map(|value| String::from_utf8_lossy(value).into_owned())
+            .expect("reason header");
+        *by_reason.entry(reason).or_default() += 1;
+    }
+    assert!(by_reason.values().all(|&n| n == 50), "{by_reason:?}");
+
+    // The partitions did not stall: later records still arrive.
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("later", 10))
+        .await;
+    harness.wait_for_total(510).await;
+}
+
+#[actix_rt::test]
+async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
+    let harness = Harness::new().await;
+    let mut config = harness.consumer_config();
+    config.max_inflight = 1_000;
+    config.batch_size = 100;
+    let limit = config.max_inflight + config.batch_size as u64;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("bp", 3_000))
+        .await;
+    let (_consumer, metrics) = harness.consume(config);
+
+    let paused = Arc::clone(&metrics);
+    wait_until(
+        "the consumer pauses its partitions",
+        Duration::from_secs(30),
+        || {
+            let paused = paused.partitions_paused.get();
+            async move { paused == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
+    // Drain in steps, as workers would, until every record was stored once;
+    // the store never holds more than the limit plus one batch.
+    let mut peak = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while Metrics::count(&metrics.consumer_records, "stored") < 3_000 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumption did not resume"
+        );
+        let total = harness.total().await;
+        peak = peak.max(total);
+        assert!(total <= limit, "{total} rows in the store, limit {limit}");
+        if metrics.partitions_paused.get() > 0 {
+            let client = harness._db.client().await;
+            client
+                .execute(
+                    "DELETE FROM inflight_taskactivations WHERE id IN \
+                     (SELECT id FROM inflight_taskactivations LIMIT 300)",
+                    &[],
+                )
+                .await
+                .expect("drain rows");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(peak >= 1_000, "the limit was reached ({peak})");
+    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+}
+
+#[actix_rt::test]
+async fn activations_expired_on_arrival_are_dropped_and_delayed_ones_wait() {
+    let harness = Harness::new().await;
+    let mut expired = activation("expired".to_owned());
+    expired.received_at = Some(prost_types::Timestamp {
+        seconds: chrono::Utc::now().timestamp() - 100,
+        nanos: 0,
+    });
+    expired.expires = Some(10);
+    let mut delayed = activation("delayed".to_owned());
+    delayed.delay = Some(600);
+    harness
+        .kafka
+        .produce(
+            TOPIC,
+            &[
+                expired.encode_to_vec(),
+                delayed.encode_to_vec(),
+                activation("now".to_owned()).encode_to_vec(),
+            ],
+        )
+        .await;
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    harness.wait_for_total(2).await;
+    let consumed = Arc::clone(&metrics);
+    wait_until(
+        "the expired record is counted",
+        Duration::from_secs(10),
+        || {
+            let expired = Metrics::count(&consumed.consumer_records, "expired");
+            async move { expired == 1 }
+        },
+    )
+    .await;
+    assert!(harness.store.get("expired").await.unwrap().is_none());
+    let delayed = harness.store.get("delayed").await.unwrap().unwrap();
+    assert_eq!(delayed.status, ActivationStatus::Delay);
+    let now = harness.store.get("now").await.unwrap().unwrap();
+    assert_eq!(now.status, ActivationStatus::Pending);
+}
+
+#[actix_rt::test]
+async fn a_task_retried_three_times_yields_three_new_activations() {
+    let harness = Harness::new().await;
+    let metrics = Arc::new(Metrics::new());
+    // Retries go back to the topic the broker consumes.
+    let upkeep = UpkeepActor::new(
+        UpkeepConfig {
+            interval: Duration::from_millis(50),
+            batch_limit: 1000,
+            max_attempts: 5,
+            restart_grace: Duration::ZERO,
+            kafka: harness.kafka.settings(),
+            retry_topic: TOPIC.to_owned(),
+            dlq_topic: "dlq".to_owned(),
+            delivery_timeout: Duration::from_secs(5),
+            publish_lease: Duration::from_secs(10),
+        },
+        harness.store_actor.clone(),
+        vec![],
+        Arc::clone(&metrics),
+    )
+    .expect("upkeep starts")
+    .start();
+    let originals: Vec<Vec<u8>> = (0..10)
+        .map(|i| {
+            let mut task = activation(format!("orig-{i}"));
+            task.taskname = format!("lineage-{i}");
+            task.retry_state = Some(RetryState {
+                attempts: 0,
+                max_attempts: 5,
+                delay_on_retry: Some(1),
+                ..Default::default()
+            });
+            task.encode_to_vec()
+        })
+        .collect();
+    harness.kafka.produce(TOPIC, &originals).await;
+    let (_consumer, _) = harness.consume(harness.consumer_config());
+
+    // The worker: RETRY until the task has been attempted three times, then
+    // COMPLETE.
+    let mut handled = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while handled < 40 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "handled only {handled} of 40"
+        );
+        let Some(row) = harness
+            .store
+            .claim_for_pull(&PullFilter::default(), Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let task = TaskActivation::decode(row.activation.as_slice()).unwrap();
+        let status = if task.retry_state.unwrap_or_default().attempts < 3 {
+            WorkerStatus::Retry
+        } else {
+            WorkerStatus::Complete
+        };
+        harness
+            .store
+            .set_status(&[StatusUpdate::new(row.id, status)])
+            .await
+            .unwrap();
+        handled += 1;
+    }
+    upkeep.do_send(taskbroker::actors::upkeep::StopUpkeep);
+
+    let records = harness.kafka.read_all(TOPIC, PARTITIONS);
+    assert_eq!(records.len(), 40, "10 originals and exactly 3 retries each");
+    let mut lineages: HashMap<String, Vec<TaskActivation>> = HashMap::new();
+    for record in &records {
+        let task = TaskActivation::decode(payload(record).as_slice()).unwrap();
+        lineages
+            .entry(task.taskname.clone())
+            .or_default()
+            .push(task);
+    }
+    let ids: HashSet<String> = lineages
+        .values()
+        .flatten()
+        .map(|task| task.id.clone())
+        .collect();
+    assert_eq!(ids.len(), 40, "every retry has a fresh id");
+    for (lineage, mut tasks) in lineages {
+        tasks.sort_by_key(|task| task.retry_state.unwrap_or_default().attempts);
+        let attempts: Vec<u32> = tasks
+            .iter()
+            .map(|task| task.retry_state.unwrap_or_default().attempts)
+            .collect();
+        assert_eq!(attempts, [0, 1, 2, 3], "{lineage}");
+        let delays: Vec<Option<u64>> = tasks.iter().map(|task| task.delay).collect();
+        assert_eq!(delays, [None, Some(1), Some(1), Some(1)], "{lineage}");
+    }
+}
+
+#[actix_rt::test]
+async fn kafka_to_workers_end_to_end() {
+    let harness = Harness::new().await;
+    let metrics = Arc::new(Metrics::new());
+    let workers = [
+        FakeWorker::start(Mode::accept()).await,
+        FakeWorker::start(Mode::accept()).await,
+    ];
+    let urls: Vec<String> = workers.iter().map(|worker| worker.url()).collect();
+    let pipeline = PushPipeline::start(
+        PushPipelineConfig {
+            fetch_actors: 2,
+            fetch: FetchConfig {
+                batch_size: 64,
+                backoff: Duration::from_secs(600), // only wake-ups from the consumer
+                queue_timeout: Duration::from_millis(500),
+                lease: Duration::from_secs(30),
+            },
+            push: PushPoolConfig {
+                concurrency: 16,
+                queue_size: 32,
+                push_timeout: Duration::from_secs(2),
+                deadline_grace: Duration::from_secs(3),
+                max_attempts: 5,
+                callback_url: "broker.test:50051".to_owned(),
+                signing_secret: None,
+                endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|"))).unwrap(),
+            },
+        },
+        harness.store_actor.clone(),
+        Arc::clone(&metrics),
+    )
+    .expect("pipeline");
+    let wake = pipeline
+        .fetchers
+        .iter()
+        .map(|fetcher| fetcher.clone().recipient())
+        .collect();
+    let consumer = ConsumerActor::new(
+        harness.consumer_config(),
+        harness.store_actor.clone(),
+        wake,
+        Arc::new(Metrics::new()),
+    )
+    .start();
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("e2e", 1_000))
+        .await;
+    wait_until(
+        "every task reached a worker",
+        Duration::from_secs(60),
+        || {
+            let pushed = Metrics::count(&metrics.pushes, "ok");
+            async move { pushed == 1_000 }
+        },
+    )
+    .await;
+    consumer.send(StopConsuming).await.unwrap();
+    pipeline.stop().await;
+    let counts = harness.store.count_by_status().await.unwrap();
+    assert_eq!(counts.get(ActivationStatus::Processing), 1_000);
+    let accepted: usize = workers
+        .iter()
+        .map(|worker| worker.seen.accepted().len())
+        .sum();
+    assert_eq!(accepted, 1_000);
+}

@@ -4,23 +4,27 @@
 //! the broker uses every core: the StoreActor and its queries on one, the
 //! push pool and its RPCs on another, the FetchActors on a third.
 //!
-//! Stopping a push pipeline goes in the order that strands nothing: the
-//! FetchActors finish their current batch (submitted or released) and stop;
-//! the push pool takes everything already in its mailbox and lets in-flight
-//! pushes finish; then any claim still held is released in one statement.
+//! Stopping goes in the order that loses and strands nothing: the consumer
+//! stores and commits what it read; the FetchActors finish their current
+//! batch (submitted or released) and stop; the push pool takes everything
+//! already in its mailbox and lets in-flight pushes finish; any claim still
+//! held is released in one statement; upkeep stops; the store goes last.
 
 use std::sync::Arc;
 
 use actix::prelude::*;
 
 use crate::actors::claims::ClaimRegistry;
+use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
 use crate::actors::fetch::{FetchConfig, StopFetching, WakeFetch};
 use crate::actors::push_pool::{DrainPushPool, PushPoolConfig, StopPushPool};
 use crate::actors::store::ReleaseClaims;
+use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
 use crate::actors::{FetchActor, PushPoolActor, StoreActor};
-use crate::config::Config;
+use crate::config::{Config, DeliveryMode};
+use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
-use crate::store::BucketRange;
+use crate::store::{ActivationStore, BucketRange};
 
 /// What a push pipeline needs from the configuration.
 #[derive(Debug, Clone)]
@@ -137,6 +141,128 @@ impl PushPipeline {
                 _ => tracing::warn!(count, "cannot release claims at shutdown; leases will"),
             }
         }
+        for arbiter in self.arbiters {
+            arbiter.stop();
+        }
+    }
+}
+
+impl ConsumerConfig {
+    pub fn from_config(config: &Config) -> Self {
+        ConsumerConfig {
+            kafka: KafkaSettings::from_config(config),
+            topic: config.kafka_topic.clone(),
+            group: config.kafka_consumer_group.clone(),
+            auto_offset_reset: config.kafka_auto_offset_reset.as_str().to_owned(),
+            ingest_dlq_topic: config.kafka_ingest_dlq_topic.clone(),
+            batch_size: config.insert_batch_size,
+            batch_max_wait: config.insert_batch_max_wait,
+            max_inflight: config.max_inflight as u64,
+            max_delay: config.max_delay,
+            max_activation_bytes: config.max_activation_bytes,
+            crash_before_commit_after: None,
+        }
+    }
+}
+
+impl UpkeepConfig {
+    pub fn from_config(config: &Config) -> Self {
+        let delivery_timeout = std::time::Duration::from_secs(10);
+        UpkeepConfig {
+            interval: config.upkeep_interval,
+            batch_limit: config.upkeep_batch_limit,
+            max_attempts: config.max_processing_attempts,
+            restart_grace: config.restart_grace,
+            kafka: KafkaSettings::from_config(config),
+            retry_topic: config.retry_topic().to_owned(),
+            dlq_topic: config.kafka_dlq_topic.clone(),
+            delivery_timeout,
+            publish_lease: delivery_timeout * 3,
+        }
+    }
+}
+
+/// The whole broker: store, consumer, upkeep and (push mode) the pipeline.
+pub struct Broker {
+    pub store: Addr<StoreActor>,
+    pub consumer: Addr<ConsumerActor>,
+    pub upkeep: Addr<UpkeepActor>,
+    pub pipeline: Option<PushPipeline>,
+    arbiters: Vec<Arbiter>,
+}
+
+impl Broker {
+    /// Starts every actor for `config` on `store` (already migrated).
+    pub fn start(
+        config: &Config,
+        store: Arc<dyn ActivationStore>,
+        metrics: Arc<Metrics>,
+        host_name: &str,
+    ) -> Result<Broker, String> {
+        let store_arbiter = Arbiter::new();
+        let store_actor = {
+            let metrics = Arc::clone(&metrics);
+            StoreActor::start_in_arbiter(&store_arbiter.handle(), move |_| {
+                StoreActor::new(store, metrics)
+            })
+        };
+        let pipeline = match config.delivery_mode {
+            DeliveryMode::Push => {
+                let pipeline_config = PushPipelineConfig::from_config(config, host_name);
+                tracing::info!(
+                    fetch_actors = pipeline_config.fetch_actors,
+                    claim_lease_ms = pipeline_config.fetch.lease.as_millis() as u64,
+                    callback_url = %pipeline_config.push.callback_url,
+                    "push delivery starting"
+                );
+                Some(PushPipeline::start(
+                    pipeline_config,
+                    store_actor.clone(),
+                    Arc::clone(&metrics),
+                )?)
+            }
+            DeliveryMode::Pull => None,
+        };
+        let wake: Vec<Recipient<WakeFetch>> = pipeline
+            .iter()
+            .flat_map(|pipeline| pipeline.fetchers.iter())
+            .map(|fetcher| fetcher.clone().recipient())
+            .collect();
+
+        let upkeep_arbiter = Arbiter::new();
+        let upkeep = UpkeepActor::new(
+            UpkeepConfig::from_config(config),
+            store_actor.clone(),
+            wake.clone(),
+            Arc::clone(&metrics),
+        )?;
+        let upkeep = UpkeepActor::start_in_arbiter(&upkeep_arbiter.handle(), move |_| upkeep);
+
+        let consumer_arbiter = Arbiter::new();
+        let consumer = ConsumerActor::new(
+            ConsumerConfig::from_config(config),
+            store_actor.clone(),
+            wake,
+            metrics,
+        );
+        let consumer =
+            ConsumerActor::start_in_arbiter(&consumer_arbiter.handle(), move |_| consumer);
+        Ok(Broker {
+            store: store_actor,
+            consumer,
+            upkeep,
+            pipeline,
+            arbiters: vec![consumer_arbiter, upkeep_arbiter, store_arbiter],
+        })
+    }
+
+    /// Stops every actor in the order described in the module docs.
+    pub async fn stop(self) {
+        let _ = self.consumer.send(StopConsuming).await;
+        if let Some(pipeline) = self.pipeline {
+            pipeline.stop().await;
+        }
+        let _ = self.upkeep.send(StopUpkeep).await;
         for arbiter in self.arbiters {
             arbiter.stop();
         }

@@ -11,12 +11,10 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use actix::prelude::*;
 use clap::{Parser, Subcommand};
-use taskbroker::actors::StoreActor;
 use taskbroker::actors::store::CountByStatus;
-use taskbroker::broker::{PushPipeline, PushPipelineConfig};
-use taskbroker::config::{Config, DeliveryMode, LogFormat, unknown_variables};
+use taskbroker::broker::Broker;
+use taskbroker::config::{Config, LogFormat, unknown_variables};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 use tracing_subscriber::EnvFilter;
@@ -130,15 +128,8 @@ async fn run(config: Config) -> Result<(), String> {
     let store = open_store(&config)?;
     store.migrate().await.map_err(|err| err.to_string())?;
     let metrics = Arc::new(Metrics::new());
-
-    let store_arbiter = Arbiter::new();
-    let store_actor = {
-        let metrics = Arc::clone(&metrics);
-        StoreActor::start_in_arbiter(&store_arbiter.handle(), move |_| {
-            StoreActor::new(store, metrics)
-        })
-    };
-    match store_actor.send(CountByStatus {}).await {
+    let broker = Broker::start(&config, store, Arc::clone(&metrics), &host_name())?;
+    match broker.store.send(CountByStatus {}).await {
         Ok(Ok(counts)) => {
             metrics.set_status_counts(&counts);
             tracing::info!(inflight = counts.inflight(), "store ready");
@@ -147,31 +138,9 @@ async fn run(config: Config) -> Result<(), String> {
         Err(err) => return Err(format!("store actor stopped: {err}")),
     }
 
-    let pipeline = match config.delivery_mode {
-        DeliveryMode::Push => {
-            let pipeline_config = PushPipelineConfig::from_config(&config, &host_name());
-            tracing::info!(
-                fetch_actors = pipeline_config.fetch_actors,
-                claim_lease_ms = pipeline_config.fetch.lease.as_millis() as u64,
-                callback_url = %pipeline_config.push.callback_url,
-                "push delivery starting"
-            );
-            Some(PushPipeline::start(
-                pipeline_config,
-                store_actor.clone(),
-                Arc::clone(&metrics),
-            )?)
-        }
-        DeliveryMode::Pull => None,
-    };
-
     wait_for_shutdown_signal().await;
     tracing::info!("shutting down");
-    if let Some(pipeline) = pipeline {
-        pipeline.stop().await;
-    }
-    store_arbiter.stop();
-    let _ = store_arbiter.join();
+    broker.stop().await;
     Ok(())
 }
 

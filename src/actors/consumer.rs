@@ -27,7 +27,7 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::message::{Header, Message as _, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -36,13 +36,15 @@ use tokio::time::Instant;
 use super::fetch::WakeFetch;
 use super::store::{CountByStatus, InsertBatch, StoreActor};
 use crate::activation::{ActivationError, KafkaPosition, inflight_from_record};
-use crate::kafka::KafkaSettings;
+use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
 use crate::store::InflightActivation;
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
 /// the loop goes without polling Kafka.
 const TICK: Duration = Duration::from_millis(250);
+/// Pause after a consumer error before polling again.
+const CONSUMER_ERROR_PAUSE: Duration = Duration::from_millis(200);
 /// Pause between retries of a batch the store refused.
 const INSERT_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Header names on ingest dead-letter records.
@@ -154,9 +156,14 @@ enum Rebalanced {
 
 struct RebalanceContext {
     events: mpsc::UnboundedSender<Rebalanced>,
+    log: ThrottledLog,
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.log.error(error, reason);
+    }
+}
 
 impl ConsumerContext for RebalanceContext {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -199,7 +206,8 @@ impl Batch {
 struct ConsumeLoop {
     config: ConsumerConfig,
     consumer: StreamConsumer<RebalanceContext>,
-    dead_letters: FutureProducer,
+    dead_letters: Producer,
+    error_log: ThrottledLog,
     rebalances: mpsc::UnboundedReceiver<Rebalanced>,
     store: Addr<StoreActor>,
     wake: Vec<Recipient<WakeFetch>>,
@@ -223,15 +231,17 @@ impl ConsumeLoop {
         let consumer: StreamConsumer<RebalanceContext> = config
             .kafka
             .consumer(&config.group, &config.auto_offset_reset)
-            .create_with_context(RebalanceContext { events })
+            .create_with_context(RebalanceContext {
+                events,
+                log: ThrottledLog::default(),
+            })
             .map_err(|err| format!("Kafka consumer: {err}"))?;
         consumer
             .subscribe(&[config.topic.as_str()])
             .map_err(|err| format!("cannot subscribe to {}: {err}", config.topic))?;
-        let dead_letters: FutureProducer = config
+        let dead_letters = config
             .kafka
-            .producer(Duration::from_secs(30))
-            .create()
+            .create_producer(Duration::from_secs(30))
             .map_err(|err| format!("Kafka producer: {err}"))?;
         Ok(ConsumeLoop {
             config,
@@ -242,6 +252,7 @@ impl ConsumeLoop {
             wake,
             metrics,
             stop,
+            error_log: ThrottledLog::default(),
             paused: false,
             inflight: 0,
             batches_stored: 0,
@@ -285,7 +296,12 @@ impl ConsumeLoop {
                             self.read(&mut batch, payload, position);
                         }
                         Err(err) => {
-                            tracing::warn!(error = %err, "Kafka consumer error");
+                            // librdkafka repeats errors such as "all brokers
+                            // down" on every poll: log a few, and do not spin.
+                            self.error_log.maybe(|suppressed| {
+                                tracing::warn!(error = %err, suppressed, "Kafka consumer error");
+                            });
+                            tokio::time::sleep(CONSUMER_ERROR_PAUSE).await;
                         }
                     }
                     if batch.records() >= self.config.batch_size

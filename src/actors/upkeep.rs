@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use tokio::time::Instant;
 
 use super::fetch::WakeFetch;
@@ -33,7 +33,7 @@ use super::store::{
     RemoveExpired, StoreActor, TakeForPublish,
 };
 use crate::activation::retry_activation;
-use crate::kafka::KafkaSettings;
+use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
 use crate::store::{PublishKind, StoreError};
 
@@ -69,7 +69,7 @@ pub struct StopUpkeep;
 pub struct UpkeepActor {
     config: UpkeepConfig,
     store: Addr<StoreActor>,
-    producer: FutureProducer,
+    producer: Producer,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     started_at: Instant,
@@ -84,10 +84,9 @@ impl UpkeepActor {
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let producer: FutureProducer = config
+        let producer = config
             .kafka
-            .producer(config.delivery_timeout)
-            .create()
+            .create_producer(config.delivery_timeout)
             .map_err(|err| format!("Kafka producer for upkeep: {err}"))?;
         Ok(UpkeepActor {
             config,
@@ -161,7 +160,7 @@ impl Handler<StopUpkeep> for UpkeepActor {
 struct Cycle {
     config: UpkeepConfig,
     store: Addr<StoreActor>,
-    producer: FutureProducer,
+    producer: Producer,
     metrics: Arc<Metrics>,
     expiry_allowed: bool,
 }

@@ -5,9 +5,13 @@
 //! `enable.auto.commit` and `enable.auto.offset.store` are always off.
 //! Everything else (SASL, TLS, timeouts) can be added with `KAFKA_CONFIG`.
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
+use rdkafka::error::KafkaError;
+use rdkafka::producer::FutureProducer;
 
 use crate::config::Config;
 
@@ -60,5 +64,52 @@ impl KafkaSettings {
             )
             .set("acks", "all");
         client
+    }
+}
+
+/// How often the same client logs Kafka errors at most. While a broker is
+/// down librdkafka reports it continuously; one line per interval (with the
+/// number of lines left out) is enough for an operator.
+const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Logs librdkafka's errors at a bounded rate.
+#[derive(Debug, Default)]
+pub struct ThrottledLog {
+    last: Mutex<Option<(Instant, u64)>>,
+}
+
+impl ThrottledLog {
+    /// Calls `log` with the number of suppressed lines when it is time to.
+    pub fn maybe(&self, log: impl FnOnce(u64)) {
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match last.as_mut() {
+            Some((at, suppressed)) if at.elapsed() < ERROR_LOG_INTERVAL => *suppressed += 1,
+            _ => {
+                let suppressed = last.map_or(0, |(_, suppressed)| suppressed);
+                *last = Some((Instant::now(), 0));
+                log(suppressed);
+            }
+        }
+    }
+}
+
+impl ClientContext for ThrottledLog {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.maybe(|suppressed| {
+            tracing::warn!(error = %error, reason, suppressed, "Kafka client error");
+        });
+    }
+}
+
+/// A producer that logs its errors through [`ThrottledLog`].
+pub type Producer = FutureProducer<ThrottledLog>;
+
+impl KafkaSettings {
+    pub fn create_producer(&self, delivery_timeout: Duration) -> Result<Producer, KafkaError> {
+        self.producer(delivery_timeout)
+            .create_with_context(ThrottledLog::default())
     }
 }

@@ -10,6 +10,13 @@
 //! histogram), how many statements the claims and mark-processing writes
 //! took, and the process's peak RSS. Broker, workers and harness share the
 //! process, so RSS and CPU include the workers.
+//!
+//! ```sh
+//! cargo run --release --bin taskbroker-bench -- ingest --records 100000
+//! ```
+//!
+//! Produces N activations to a 4-partition topic on librdkafka's in-process
+//! mock cluster, then times the ConsumerActor storing all of them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +45,26 @@ struct Cli {
 enum Scenario {
     /// Pre-fill the store, then drain it through push delivery.
     Push(PushArgs),
+    /// Produce to the mock Kafka cluster, then time the consumer storing it.
+    Ingest(IngestArgs),
+}
+
+#[derive(clap::Args)]
+struct IngestArgs {
+    /// Records to produce and ingest.
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// INSERT_BATCH_SIZE.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    #[arg(
+        long,
+        env = "TASKBROKER_TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    admin_url: String,
 }
 
 #[derive(clap::Args)]
@@ -74,17 +101,38 @@ fn main() -> Result<(), String> {
     let cli = Cli::parse();
     match cli.scenario {
         Scenario::Push(args) => actix_rt::System::new().block_on(push(args)),
+        Scenario::Ingest(args) => actix_rt::System::new().block_on(ingest(args)),
     }
 }
 
 async fn push(args: PushArgs) -> Result<(), String> {
+    with_scratch_database(&args.admin_url.clone(), |database| async move {
+        run_push(&args, &database).await
+    })
+    .await
+}
+
+async fn ingest(args: IngestArgs) -> Result<(), String> {
+    with_scratch_database(&args.admin_url.clone(), |database| async move {
+        run_ingest(&args, &database).await
+    })
+    .await
+}
+
+/// Runs `body` on a database created for it and dropped afterwards.
+async fn with_scratch_database<F, Fut>(admin_url: &str, body: F) -> Result<(), String>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
     let database = format!("taskbroker_bench_{}", uuid::Uuid::new_v4().simple());
-    let admin = connect(&args.admin_url).await?;
+    let admin = connect(admin_url).await?;
     admin
         .batch_execute(&format!("CREATE DATABASE {database}"))
         .await
         .map_err(|err| format!("cannot create {database}: {err}"))?;
-    let outcome = run_push(&args, &database).await;
+    let url = replace_database(admin_url, &database);
+    let outcome = body(url).await;
     admin
         .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
         .await
@@ -92,8 +140,132 @@ async fn push(args: PushArgs) -> Result<(), String> {
     outcome
 }
 
-async fn run_push(args: &PushArgs, database: &str) -> Result<(), String> {
-    let url = replace_database(&args.admin_url, database);
+async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
+    use rdkafka::producer::FutureRecord;
+    use taskbroker::actors::ConsumerActor;
+    use taskbroker::actors::consumer::{ConsumerConfig, StopConsuming};
+    use taskbroker::kafka::KafkaSettings;
+
+    let store = Arc::new(
+        PostgresStore::connect(&PostgresStoreConfig::new(url)).map_err(|e| e.to_string())?,
+    );
+    store.migrate().await.map_err(|e| e.to_string())?;
+    let cluster = rdkafka::mocking::MockCluster::new(1).map_err(|e| e.to_string())?;
+    cluster
+        .create_topic("tasks", args.partitions, 1)
+        .map_err(|e| e.to_string())?;
+    let kafka = KafkaSettings {
+        brokers: cluster.bootstrap_servers(),
+        properties: Vec::new(),
+    };
+    let producer = kafka
+        .create_producer(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let produced = Instant::now();
+    let payloads: Vec<(String, Vec<u8>)> = (0..args.records)
+        .map(|i| {
+            let activation = bench_activation();
+            (i.to_string(), prost::Message::encode_to_vec(&activation))
+        })
+        .collect();
+    for chunk in payloads.chunks(10_000) {
+        let sends = chunk.iter().map(|(key, payload)| {
+            producer.send(
+                FutureRecord::to("tasks").key(key).payload(payload),
+                rdkafka::util::Timeout::After(Duration::from_secs(30)),
+            )
+        });
+        for sent in futures::future::join_all(sends).await {
+            sent.map_err(|(err, _)| format!("produce: {err}"))?;
+        }
+    }
+    let produce_secs = produced.elapsed().as_secs_f64();
+
+    let metrics = Arc::new(Metrics::new());
+    let store_actor = {
+        let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
+        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+            StoreActor::new(store, metrics)
+        })
+    };
+    let started = Instant::now();
+    let cpu_before = cpu_seconds();
+    let consumer = ConsumerActor::new(
+        ConsumerConfig {
+            kafka,
+            topic: "tasks".to_owned(),
+            group: "bench".to_owned(),
+            auto_offset_reset: "earliest".to_owned(),
+            ingest_dlq_topic: "ingest-dlq".to_owned(),
+            batch_size: args.batch,
+            batch_max_wait: Duration::from_millis(50),
+            max_inflight: u64::MAX,
+            max_delay: Duration::from_secs(3600),
+            max_activation_bytes: 1 << 20,
+            crash_before_commit_after: None,
+        },
+        store_actor,
+        Vec::new(),
+        Arc::clone(&metrics),
+    )
+    .start();
+    let target = args.records as u64;
+    let mut first_stored = None;
+    while Metrics::count(&metrics.consumer_records, "stored") < target {
+        if first_stored.is_none() && Metrics::count(&metrics.consumer_records, "stored") > 0 {
+            first_stored = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let total_secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu_before;
+    let _ = consumer.send(StopConsuming).await;
+    // Group join and assignment happen before the first record; report the
+    // steady rate from the first stored batch as well as the total.
+    let join_secs = first_stored.unwrap_or_default().as_secs_f64();
+    println!(
+        "ingest: {} records, {} partitions, insert batch {}",
+        args.records, args.partitions, args.batch
+    );
+    println!("  produce (not timed below): {produce_secs:.1} s");
+    println!(
+        "  consume + store: {:.2} s in total, {:.0} records/s; {:.0} records/s after the first batch (group join took {:.2} s)",
+        total_secs,
+        target as f64 / total_secs,
+        target as f64 / (total_secs - join_secs).max(0.001),
+        join_secs
+    );
+    println!(
+        "  insert statements: {} ({:.1} rows each)",
+        metrics.store_calls("insert_batch"),
+        target as f64 / metrics.store_calls("insert_batch").max(1) as f64
+    );
+    println!(
+        "  process CPU: {:.1} s ({:.2} s per 1,000 records, includes the mock cluster); peak RSS {} MiB",
+        cpu,
+        cpu * 1000.0 / target as f64,
+        peak_rss_kib() / 1024
+    );
+    Ok(())
+}
+
+fn bench_activation() -> TaskActivation {
+    TaskActivation {
+        id: uuid::Uuid::new_v4().simple().to_string(),
+        namespace: "bench".to_owned(),
+        taskname: "bench.noop".to_owned(),
+        parameters_bytes: vec![0x80; 64],
+        retry_state: Some(RetryState {
+            max_attempts: 3,
+            ..Default::default()
+        }),
+        processing_deadline_duration: 60,
+        application: Some("bench".to_owned()),
+        ..Default::default()
+    }
+}
+
+async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
     let mut store_config = PostgresStoreConfig::new(url);
     store_config.pool_size = args.pool;
     store_config.async_commit = args.async_commit;
@@ -206,19 +378,7 @@ async fn fill(store: &dyn ActivationStore, tasks: usize) -> Result<(), String> {
     };
     let mut batch = Vec::with_capacity(1000);
     for i in 0..tasks {
-        let activation = TaskActivation {
-            id: uuid::Uuid::new_v4().simple().to_string(),
-            namespace: "bench".to_owned(),
-            taskname: "bench.noop".to_owned(),
-            parameters_bytes: vec![0x80; 64],
-            retry_state: Some(RetryState {
-                max_attempts: 3,
-                ..Default::default()
-            }),
-            processing_deadline_duration: 60,
-            application: Some("bench".to_owned()),
-            ..Default::default()
-        };
+        let activation = bench_activation();
         let bytes = prost::Message::encode_to_vec(&activation);
         let mut position = position.clone();
         position.offset = i as i64;

@@ -533,3 +533,76 @@ async fn kafka_to_workers_end_to_end() {
         .sum();
     assert_eq!(accepted, 1_000);
 }
+
+#[actix_rt::test]
+async fn consumers_joining_and_leaving_the_group_store_each_record_once() {
+    let harness = Harness::new().await;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("rb-a", 2_000))
+        .await;
+    // Short heartbeats so the mock coordinator finishes rebalances in
+    // seconds (with librdkafka's defaults one takes over 30 s).
+    let mut config = harness.consumer_config();
+    config.kafka.properties = vec![
+        ("session.timeout.ms".to_owned(), "6000".to_owned()),
+        ("heartbeat.interval.ms".to_owned(), "500".to_owned()),
+    ];
+    let (first, first_metrics) = harness.consume(config.clone());
+    wait_until(
+        "the first consumer stores records",
+        Duration::from_secs(30),
+        || {
+            let stored = Metrics::count(&first_metrics.consumer_records, "stored");
+            async move { stored > 0 }
+        },
+    )
+    .await;
+    // A second member joins: partitions are split (a rebalance mid-stream).
+    let (_second, second_metrics) = harness.consume(config);
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("rb-b", 2_000))
+        .await;
+    wait_until(
+        "both consumers hold partitions",
+        Duration::from_secs(30),
+        || {
+            let (a, b) = (
+                first_metrics.partitions_assigned.get(),
+                second_metrics.partitions_assigned.get(),
+            );
+            async move { a > 0 && b > 0 && a + b == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
+    // The first leaves: the second takes every partition over from the
+    // committed offsets.
+    first
+        .send(StopConsuming)
+        .await
+        .expect("first consumer stops");
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("rb-c", 2_000))
+        .await;
+    harness.wait_for_total(6_000).await;
+    let ends = harness.kafka.end_offsets(TOPIC, PARTITIONS);
+    wait_until(
+        "the group committed every offset",
+        Duration::from_secs(30),
+        || {
+            let done = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS) == ends;
+            async move { done }
+        },
+    )
+    .await;
+    let read: u64 = [&first_metrics, &second_metrics]
+        .iter()
+        .map(|m| {
+            Metrics::count(&m.consumer_records, "stored")
+                + Metrics::count(&m.consumer_records, "duplicate")
+        })
+        .sum();
+    assert!(read >= 6_000, "every record was read ({read})");
+}

@@ -10,7 +10,9 @@
 //! One cycle runs at a time: the next is scheduled `UPKEEP_INTERVAL_MS` after
 //! the previous one finished. Every step is one bounded statement
 //! (`UPKEEP_BATCH_LIMIT`), and a failing step is counted and logged without
-//! stopping the others. Publishing steps take rows under a publish lease, so
+//! stopping the others. Publishing (retries, dead letters) runs beside the
+//! cycle, one run at a time, so a Kafka outage never holds back expiry,
+//! deadlines or delays. It takes rows under a publish lease, so
 //! two brokers never publish the same row, and mark them Complete only after
 //! Kafka acknowledged the record: while Kafka is down the rows stay Retry or
 //! Failure and are published when it returns.
@@ -20,6 +22,7 @@
 //! received before the restart.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -74,6 +77,7 @@ pub struct UpkeepActor {
     metrics: Arc<Metrics>,
     started_at: Instant,
     running: bool,
+    publishing: Arc<AtomicBool>,
     next: Option<SpawnHandle>,
 }
 
@@ -96,6 +100,7 @@ impl UpkeepActor {
             metrics,
             started_at: Instant::now(),
             running: false,
+            publishing: Arc::new(AtomicBool::new(false)),
             next: None,
         })
     }
@@ -127,13 +132,28 @@ impl Handler<RunUpkeep> for UpkeepActor {
             ctx.cancel_future(next);
         }
         self.running = true;
-        let cycle = Cycle {
+        let cycle = Arc::new(Cycle {
             config: self.config.clone(),
             store: self.store.clone(),
             producer: self.producer.clone(),
             metrics: Arc::clone(&self.metrics),
             expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
-        };
+        });
+        // Publishing waits for Kafka's acknowledgements, which take up to the
+        // delivery timeout while Kafka is down: it runs beside the cycle (one
+        // publishing run at a time) so expiry, deadlines and delays keep
+        // their interval meanwhile.
+        if !self.publishing.swap(true, Ordering::AcqRel) {
+            let publishing = Arc::clone(&self.publishing);
+            let cycle = Arc::clone(&cycle);
+            actix_rt::spawn(async move {
+                futures::join!(
+                    cycle.publish(PublishKind::Retry),
+                    cycle.publish(PublishKind::DeadLetter)
+                );
+                publishing.store(false, Ordering::Release);
+            });
+        }
         ctx.spawn(cycle.run().into_actor(self).map(|runnable, act, ctx| {
             act.running = false;
             act.metrics.upkeep_cycles.inc();
@@ -169,10 +189,8 @@ type StepResult = Result<Result<u64, StoreError>, MailboxError>;
 
 impl Cycle {
     /// Runs every step; answers whether rows became runnable.
-    async fn run(self) -> bool {
+    async fn run(self: Arc<Self>) -> bool {
         let limit = self.config.batch_limit;
-        self.publish(PublishKind::Retry).await;
-        self.publish(PublishKind::DeadLetter).await;
         self.step(
             "discard_failures",
             self.store.send(DiscardFailures { limit }),
@@ -180,12 +198,17 @@ impl Cycle {
         .await;
         let mut runnable = 0;
         if self.expiry_allowed {
-            runnable += self
+            let released = self
                 .step(
                     "release_expired_claims",
                     self.store.send(ReleaseExpiredClaims { limit }),
                 )
                 .await;
+            self.metrics
+                .claims_released
+                .with_label_values(&["lease_expired"])
+                .inc_by(released);
+            runnable += released;
             runnable += self.processing_deadlines().await;
         }
         let max_attempts = self.config.max_attempts;

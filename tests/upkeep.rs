@@ -1,0 +1,751 @@
+//! The UpkeepActor drives the timed transitions of the activation lifecycle
+//! (DESIGN.md, "Activation lifecycle") and publishes retries and dead letters
+//! (PROTOCOL.md, "Kafka payloads"). Every transition here is made by the
+//! actor itself, against real PostgreSQL and librdkafka's mock cluster.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use chrono::{TimeDelta, Utc};
+use common::kafka::{MockKafka, payload};
+use common::{TestDb, now, row, row_from, rows, task, wait_until};
+use prost::Message as _;
+use rdkafka::message::Message as _;
+use taskbroker::actors::StoreActor;
+use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::{RetryState, TaskActivation};
+use taskbroker::store::{
+    ActivationStatus, ActivationStore, BucketRange, InflightActivation, OnAttemptsExceeded,
+    PostgresStore, PullFilter,
+};
+
+const RETRY_TOPIC: &str = "upkeep-retries";
+const DLQ_TOPIC: &str = "upkeep-dead-letters";
+const MAX_ATTEMPTS: u32 = 5;
+/// Bound on every wait for a state the upkeep reaches by itself.
+const WAIT: Duration = Duration::from_secs(10);
+/// An interval no test outlives: the actor runs its first cycle at start and
+/// then only the cycles a test asks for with [`RunUpkeep`].
+const MANUAL: Duration = Duration::from_secs(3600);
+
+struct Harness {
+    db: TestDb,
+    kafka: MockKafka,
+    store: Arc<PostgresStore>,
+    store_actor: Addr<StoreActor>,
+    metrics: Arc<Metrics>,
+}
+
+impl Harness {
+    async fn new() -> Harness {
+        let db = TestDb::new().await;
+        let store = db.store().await;
+        let metrics = Arc::new(Metrics::new());
+        let store_actor = start_store_actor(Arc::clone(&store), Arc::clone(&metrics));
+        let kafka = MockKafka::start();
+        kafka.create_topic(RETRY_TOPIC, 1);
+        kafka.create_topic(DLQ_TOPIC, 1);
+        Harness {
+            db,
+            kafka,
+            store,
+            store_actor,
+            metrics,
+        }
+    }
+
+    fn config(&self) -> UpkeepConfig {
+        UpkeepConfig {
+            interval: Duration::from_millis(50),
+            batch_limit: 1000,
+            max_attempts: MAX_ATTEMPTS,
+            restart_grace: Duration::ZERO,
+            kafka: self.kafka.settings(),
+            retry_topic: RETRY_TOPIC.to_owned(),
+            dlq_topic: DLQ_TOPIC.to_owned(),
+            delivery_timeout: Duration::from_secs(2),
+            publish_lease: Duration::from_secs(3),
+        }
+    }
+
+    fn start_upkeep(&self, config: UpkeepConfig) -> Addr<UpkeepActor> {
+        UpkeepActor::new(
+            config,
+            self.store_actor.clone(),
+            vec![],
+            Arc::clone(&self.metrics),
+        )
+        .expect("upkeep starts")
+        .start()
+    }
+
+    async fn insert(&self, rows: &[InflightActivation]) {
+        self.store.insert_batch(rows).await.expect("insert");
+    }
+
+    async fn get(&self, id: &str) -> Option<InflightActivation> {
+        self.store.get(id).await.expect("get")
+    }
+
+    async fn status(&self, id: &str) -> Option<ActivationStatus> {
+        self.get(id).await.map(|row| row.status)
+    }
+
+    async fn total(&self) -> u64 {
+        self.store.count_by_status().await.expect("count").total()
+    }
+
+    /// Pull-mode claim of the oldest Pending row: it becomes Processing with
+    /// `processing_deadline` = now + its `processing_deadline_duration`.
+    async fn pull(&self) -> InflightActivation {
+        self.store
+            .claim_for_pull(&PullFilter::default(), Duration::ZERO)
+            .await
+            .expect("claim for pull")
+            .expect("a Pending row to pull")
+    }
+
+    /// Push-mode claim of the oldest Pending row with `lease`.
+    async fn claim(&self, lease: Duration) -> InflightActivation {
+        let mut claimed = self
+            .store
+            .claim_for_push(BucketRange::ALL, 1, lease)
+            .await
+            .expect("claim for push");
+        assert_eq!(claimed.len(), 1, "one Pending row to claim");
+        claimed.remove(0)
+    }
+
+    fn transitions(&self, step: &str) -> u64 {
+        Metrics::count(&self.metrics.upkeep_transitions, step)
+    }
+
+    fn published(&self, kind: &str, result: &str) -> u64 {
+        self.metrics
+            .published
+            .with_label_values(&[kind, result])
+            .get()
+    }
+
+    async fn wait_cycles(&self, n: u64) {
+        wait_until(&format!("{n} upkeep cycles completed"), WAIT, || {
+            let done = self.metrics.upkeep_cycles.get() >= n;
+            async move { done }
+        })
+        .await;
+    }
+
+    /// With a [`MANUAL`] interval: waits for the start-up cycle (number
+    /// `done`), then has the actor run one more and waits for it.
+    async fn run_next_cycle(&self, upkeep: &Addr<UpkeepActor>, done: u64) {
+        self.wait_cycles(done).await;
+        assert!(
+            upkeep.send(RunUpkeep).await.expect("upkeep is running"),
+            "no cycle was running, so this one starts"
+        );
+        self.wait_cycles(done + 1).await;
+    }
+
+    async fn wait_for_status(&self, id: &str, status: Option<ActivationStatus>) {
+        wait_until(&format!("{id} is {status:?}"), WAIT, || async {
+            self.status(id).await == status
+        })
+        .await;
+    }
+}
+
+fn start_store_actor(store: Arc<PostgresStore>, metrics: Arc<Metrics>) -> Addr<StoreActor> {
+    StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+        StoreActor::new(store, metrics)
+    })
+}
+
+fn seconds_ago(seconds: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: now().timestamp() - seconds,
+        nanos: 0,
+    }
+}
+
+/// A Retry row whose task has been attempted once and asks for a 5 s delay
+/// on retry; every field the retry must keep has a distinctive value.
+fn retry_row(i: usize) -> (TaskActivation, InflightActivation) {
+    let mut activation = task(&format!("retry-{i}"));
+    activation.taskname = format!("tests.retry_{i}");
+    activation.namespace = format!("ns-{i}");
+    activation.parameters_bytes = format!("params-{i}").into_bytes();
+    activation
+        .headers
+        .insert("trace-id".to_owned(), format!("trace-{i}"));
+    // Old enough that a kept received_at cannot pass for "now".
+    activation.received_at = Some(seconds_ago(3600));
+    activation.delay = Some(1);
+    activation.expires = Some(7200);
+    activation.retry_state = Some(RetryState {
+        attempts: 1,
+        max_attempts: MAX_ATTEMPTS,
+        delay_on_retry: Some(5),
+        ..Default::default()
+    });
+    let mut row = row_from(&activation);
+    row.status = ActivationStatus::Retry;
+    (activation, row)
+}
+
+/// A Failure row with `policy`. Its stored bytes end with a field the schema
+/// does not know, so any decode and re-encode on the way to Kafka shows.
+fn failure_row(id: &str, policy: OnAttemptsExceeded) -> InflightActivation {
+    let mut activation = task(id);
+    activation.retry_state = Some(RetryState {
+        attempts: 3,
+        max_attempts: 3,
+        on_attempts_exceeded: policy.as_i32(),
+        ..Default::default()
+    });
+    let mut row = row_from(&activation);
+    assert_eq!(row.on_attempts_exceeded, policy);
+    // Field 99, varint 1.
+    row.activation.extend_from_slice(&[0x98, 0x06, 0x01]);
+    row.status = ActivationStatus::Failure;
+    row
+}
+
+#[actix_rt::test]
+async fn overdue_processing_rows_are_retried_or_failed_by_upkeep() {
+    let harness = Harness::new().await;
+    let mut overdue = task("overdue");
+    overdue.processing_deadline_duration = 0;
+    let mut overdue_once = task("overdue-once");
+    overdue_once.processing_deadline_duration = 0;
+    overdue_once
+        .retry_state
+        .as_mut()
+        .expect("task has a retry state")
+        .at_most_once = Some(true);
+    let on_time = task("on-time");
+    let mut batch: Vec<InflightActivation> =
+        [&overdue, &overdue_once, &on_time].map(row_from).into();
+    for (i, row) in batch.iter_mut().enumerate() {
+        row.added_at = now() + TimeDelta::microseconds(i as i64);
+    }
+    harness.insert(&batch).await;
+    for id in ["overdue", "overdue-once", "on-time"] {
+        assert_eq!(harness.pull().await.id, id);
+    }
+
+    // One cycle only: the Failure it produces would be discarded by the next.
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    let _upkeep = harness.start_upkeep(config);
+    harness.wait_cycles(1).await;
+
+    let retried = harness.get("overdue").await.expect("overdue row kept");
+    assert_eq!(retried.status, ActivationStatus::Pending);
+    assert_eq!(retried.processing_attempts, 1);
+    assert_eq!(retried.processing_deadline, None);
+    let failed = harness.get("overdue-once").await.expect("at_most_once row");
+    assert_eq!(failed.status, ActivationStatus::Failure);
+    assert_eq!(failed.processing_attempts, 1);
+    let running = harness.get("on-time").await.expect("on-time row kept");
+    assert_eq!(running.status, ActivationStatus::Processing);
+    assert_eq!(running.processing_attempts, 0);
+    assert_eq!(harness.transitions("processing_deadline_retried"), 1);
+    assert_eq!(harness.transitions("processing_deadline_failed"), 1);
+}
+
+#[actix_rt::test]
+async fn expired_claims_return_to_pending_without_an_attempt() {
+    let harness = Harness::new().await;
+    harness.insert(&rows("claim", 2)).await;
+    let expired = harness.claim(Duration::ZERO).await;
+    let held = harness.claim(Duration::from_secs(60)).await;
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    harness
+        .wait_for_status(&expired.id, Some(ActivationStatus::Pending))
+        .await;
+
+    let released = harness.get(&expired.id).await.expect("released row");
+    assert_eq!(
+        released.processing_attempts, 0,
+        "a lapsed lease is no attempt"
+    );
+    let still_held = harness.get(&held.id).await.expect("held row");
+    assert_eq!(still_held.status, ActivationStatus::Claimed);
+    assert_eq!(still_held.claim_expires_at, held.claim_expires_at);
+    assert_eq!(harness.transitions("release_expired_claims"), 1);
+    assert_eq!(
+        Metrics::count(&harness.metrics.claims_released, "lease_expired"),
+        1
+    );
+}
+
+#[actix_rt::test]
+async fn restart_grace_holds_back_lease_and_deadline_expiry() {
+    let harness = Harness::new().await;
+    let mut overdue = task("overdue");
+    overdue.processing_deadline_duration = 0;
+    let mut overdue_row = row_from(&overdue);
+    overdue_row.added_at = now() - TimeDelta::seconds(1);
+    let mut finished = row("finished");
+    finished.status = ActivationStatus::Complete;
+    harness
+        .insert(&[overdue_row, row("claimed"), finished])
+        .await;
+    let processing = harness.pull().await;
+    assert_eq!(processing.id, "overdue");
+    let claimed = harness.claim(Duration::ZERO).await;
+    assert_eq!(claimed.id, "claimed");
+
+    let mut config = harness.config();
+    config.restart_grace = Duration::from_secs(60);
+    let _upkeep = harness.start_upkeep(config);
+    harness.wait_cycles(3).await;
+    // The cycles did run their other steps.
+    harness.wait_for_status("finished", None).await;
+
+    assert_eq!(harness.get("claimed").await, Some(claimed));
+    assert_eq!(harness.get("overdue").await, Some(processing));
+    assert_eq!(harness.transitions("release_expired_claims"), 0);
+    assert_eq!(harness.transitions("processing_deadline_retried"), 0);
+}
+
+#[actix_rt::test]
+async fn expiry_resumes_once_the_restart_grace_has_passed() {
+    let harness = Harness::new().await;
+    let mut overdue = task("overdue");
+    overdue.processing_deadline_duration = 0;
+    let mut overdue_row = row_from(&overdue);
+    overdue_row.added_at = now() - TimeDelta::seconds(1);
+    harness.insert(&[overdue_row, row("claimed")]).await;
+    assert_eq!(harness.pull().await.id, "overdue");
+    assert_eq!(harness.claim(Duration::ZERO).await.id, "claimed");
+
+    let grace = Duration::from_secs(1);
+    let mut config = harness.config();
+    config.restart_grace = grace;
+    let started = tokio::time::Instant::now();
+    let _upkeep = harness.start_upkeep(config);
+    harness
+        .wait_for_status("claimed", Some(ActivationStatus::Pending))
+        .await;
+    assert!(
+        started.elapsed() >= grace,
+        "claim released {:?} after start, within the {grace:?} grace",
+        started.elapsed()
+    );
+    harness
+        .wait_for_status("overdue", Some(ActivationStatus::Pending))
+        .await;
+    assert!(
+        harness.metrics.upkeep_cycles.get() >= 3,
+        "cycles ran during the grace"
+    );
+}
+
+#[actix_rt::test]
+async fn exhausted_attempts_fail() {
+    let harness = Harness::new().await;
+    let mut batch = rows("attempts", 2);
+    batch[0].processing_attempts = MAX_ATTEMPTS as i32;
+    batch[1].processing_attempts = MAX_ATTEMPTS as i32 - 1;
+    let (spent, left) = (batch[0].id.clone(), batch[1].id.clone());
+    harness.insert(&batch).await;
+
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    let upkeep = harness.start_upkeep(config);
+    harness.wait_cycles(1).await;
+    assert_eq!(
+        harness.status(&spent).await,
+        Some(ActivationStatus::Failure)
+    );
+    assert_eq!(harness.status(&left).await, Some(ActivationStatus::Pending));
+    assert_eq!(harness.transitions("fail_exhausted_attempts"), 1);
+
+    // The next cycle discards it (UNSPECIFIED behaves as DISCARD).
+    harness.run_next_cycle(&upkeep, 1).await;
+    assert_eq!(harness.status(&spent).await, None);
+    assert_eq!(harness.status(&left).await, Some(ActivationStatus::Pending));
+}
+
+#[actix_rt::test]
+async fn expired_pending_rows_are_removed() {
+    let harness = Harness::new().await;
+    let with_expiry = |id: &str, expires: u64| {
+        let mut activation = task(id);
+        activation.received_at = Some(seconds_ago(100));
+        activation.expires = Some(expires);
+        row_from(&activation)
+    };
+    let expired = with_expiry("expired", 10);
+    let alive = with_expiry("alive", 3600);
+    // An expired task a worker already has is not taken away from it.
+    let mut running = with_expiry("running", 10);
+    running.status = ActivationStatus::Processing;
+    running.processing_deadline = Some(Utc::now() + TimeDelta::seconds(60));
+    harness.insert(&[expired, alive, running]).await;
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    harness.wait_for_status("expired", None).await;
+    let cycles = harness.metrics.upkeep_cycles.get();
+    harness.wait_cycles(cycles + 2).await;
+
+    assert_eq!(
+        harness.status("alive").await,
+        Some(ActivationStatus::Pending)
+    );
+    assert_eq!(
+        harness.status("running").await,
+        Some(ActivationStatus::Processing)
+    );
+    assert_eq!(harness.transitions("remove_expired"), 1);
+}
+
+#[actix_rt::test]
+async fn due_delays_become_pending() {
+    let harness = Harness::new().await;
+    let delayed = |id: &str, until: chrono::DateTime<Utc>| {
+        let mut row = row(id);
+        row.status = ActivationStatus::Delay;
+        row.delay_until = Some(until);
+        row
+    };
+    let soon = now() + TimeDelta::milliseconds(1500);
+    harness
+        .insert(&[
+            delayed("due", now() - TimeDelta::seconds(1)),
+            delayed("soon", soon),
+            delayed("later", now() + TimeDelta::hours(1)),
+        ])
+        .await;
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    harness
+        .wait_for_status("due", Some(ActivationStatus::Pending))
+        .await;
+    harness
+        .wait_for_status("soon", Some(ActivationStatus::Pending))
+        .await;
+    assert!(
+        Utc::now() >= soon,
+        "a delay was released before its delay_until"
+    );
+    assert_eq!(harness.status("later").await, Some(ActivationStatus::Delay));
+    assert_eq!(harness.transitions("release_delayed"), 2);
+}
+
+#[actix_rt::test]
+async fn complete_rows_are_removed() {
+    let harness = Harness::new().await;
+    let mut batch = rows("done", 5);
+    for row in &mut batch {
+        row.status = ActivationStatus::Complete;
+    }
+    let mut running = row("running");
+    running.status = ActivationStatus::Processing;
+    running.processing_deadline = Some(Utc::now() + TimeDelta::seconds(60));
+    batch.push(running);
+    batch.push(row("waiting"));
+    harness.insert(&batch).await;
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until("only unfinished rows are left", WAIT, || async {
+        harness.total().await == 2
+    })
+    .await;
+    assert_eq!(
+        harness.status("running").await,
+        Some(ActivationStatus::Processing)
+    );
+    assert_eq!(
+        harness.status("waiting").await,
+        Some(ActivationStatus::Pending)
+    );
+    assert_eq!(harness.transitions("remove_completed"), 5);
+}
+
+#[actix_rt::test]
+async fn retries_are_published_as_new_activations() {
+    let harness = Harness::new().await;
+    let (originals, batch): (Vec<TaskActivation>, Vec<InflightActivation>) =
+        (0..3).map(retry_row).unzip();
+    harness.insert(&batch).await;
+
+    let published_after = Utc::now().timestamp();
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until("every Retry row is finished", WAIT, || async {
+        let mut finished = 0;
+        for original in &originals {
+            match harness.status(&original.id).await {
+                None | Some(ActivationStatus::Complete) => finished += 1,
+                Some(ActivationStatus::Retry) => {}
+                Some(other) => panic!("{} became {other}", original.id),
+            }
+        }
+        // Read after the rows: a finished row's record was acknowledged
+        // before the row changed.
+        let acknowledged = harness.published("retry", "ok");
+        assert!(
+            finished <= acknowledged,
+            "{finished} rows finished but only {acknowledged} records acknowledged"
+        );
+        finished == originals.len() as u64
+    })
+    .await;
+    let published_before = Utc::now().timestamp();
+
+    let records = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(records.len(), originals.len(), "one record per Retry row");
+    let mut by_taskname: HashMap<String, (TaskActivation, String)> = HashMap::new();
+    for record in &records {
+        let retried = TaskActivation::decode(payload(record).as_slice()).expect("a TaskActivation");
+        let key = String::from_utf8(record.key().expect("record key").to_vec()).expect("utf-8");
+        assert!(
+            by_taskname
+                .insert(retried.taskname.clone(), (retried, key))
+                .is_none(),
+            "two records for one task"
+        );
+    }
+    let mut ids = HashSet::new();
+    for original in &originals {
+        let (retried, key) = by_taskname
+            .remove(&original.taskname)
+            .unwrap_or_else(|| panic!("no retry of {}", original.taskname));
+        assert_ne!(retried.id, original.id, "a retry is a new activation");
+        assert!(uuid::Uuid::parse_str(&retried.id).is_ok(), "fresh UUID");
+        assert!(ids.insert(retried.id.clone()), "retry ids are unique");
+        assert_eq!(key, retried.id, "the record is keyed by the new id");
+        let state = retried.retry_state.expect("retry state");
+        assert_eq!(state.attempts, 2);
+        assert_eq!(state.delay_on_retry, Some(5));
+        assert_eq!(retried.delay, Some(5));
+        let received = retried.received_at.expect("received_at").seconds;
+        assert!(
+            (published_after - 1..=published_before + 1).contains(&received),
+            "received_at {received} is not the publish time"
+        );
+        assert_eq!(retried.namespace, original.namespace);
+        assert_eq!(retried.taskname, original.taskname);
+        assert_eq!(retried.parameters_bytes, original.parameters_bytes);
+        assert_eq!(retried.headers, original.headers);
+        assert_eq!(retried.application, original.application);
+        assert_eq!(
+            retried.processing_deadline_duration,
+            original.processing_deadline_duration
+        );
+        assert_eq!(retried.expires, original.expires);
+        let original_state = original.retry_state.expect("original retry state");
+        assert_eq!(state.max_attempts, original_state.max_attempts);
+    }
+    assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
+}
+
+#[actix_rt::test]
+async fn dead_letters_are_published_byte_identical_and_discards_are_not() {
+    let harness = Harness::new().await;
+    let batch = vec![
+        failure_row("dead-0", OnAttemptsExceeded::Deadletter),
+        failure_row("dead-1", OnAttemptsExceeded::Deadletter),
+        failure_row("discard-0", OnAttemptsExceeded::Discard),
+        failure_row("discard-1", OnAttemptsExceeded::Discard),
+        failure_row("unspecified-0", OnAttemptsExceeded::Unspecified),
+        failure_row("unspecified-1", OnAttemptsExceeded::Unspecified),
+    ];
+    harness.insert(&batch).await;
+    let mut stored = HashMap::new();
+    for row in &batch {
+        let row = harness.get(&row.id).await.expect("stored");
+        stored.insert(row.id.clone(), row);
+    }
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until("every Failure row is finished", WAIT, || async {
+        let mut dead_letters_finished = 0;
+        let mut finished = 0;
+        for row in &batch {
+            match harness.status(&row.id).await {
+                None | Some(ActivationStatus::Complete) => {
+                    finished += 1;
+                    if row.on_attempts_exceeded == OnAttemptsExceeded::Deadletter {
+                        dead_letters_finished += 1;
+                    }
+                }
+                Some(ActivationStatus::Failure) => {}
+                Some(other) => panic!("{} became {other}", row.id),
+            }
+        }
+        let acknowledged = harness.published("deadletter", "ok");
+        assert!(
+            dead_letters_finished <= acknowledged,
+            "{dead_letters_finished} dead letters finished, {acknowledged} acknowledged"
+        );
+        finished == batch.len()
+    })
+    .await;
+
+    let records = harness.kafka.read_all(DLQ_TOPIC, 1);
+    let mut published: HashMap<String, Vec<u8>> = HashMap::new();
+    for record in &records {
+        let key = String::from_utf8(record.key().expect("record key").to_vec()).expect("utf-8");
+        assert!(
+            published.insert(key.clone(), payload(record)).is_none(),
+            "{key} dead-lettered twice"
+        );
+    }
+    let keys: HashSet<&str> = published.keys().map(String::as_str).collect();
+    assert_eq!(keys, HashSet::from(["dead-0", "dead-1"]));
+    for (id, bytes) in &published {
+        assert_eq!(bytes, &stored[id].activation, "{id} is not byte-identical");
+    }
+    assert_eq!(harness.kafka.end_offsets(RETRY_TOPIC, 1), [0]);
+    assert_eq!(harness.transitions("discard_failures"), 4);
+}
+
+#[actix_rt::test]
+async fn kafka_outage_keeps_rows_until_publish_is_acknowledged() {
+    let harness = Harness::new().await;
+    let batch: Vec<InflightActivation> = (0..5)
+        .map(|i| failure_row(&format!("dead-{i}"), OnAttemptsExceeded::Deadletter))
+        .collect();
+    harness.insert(&batch).await;
+    harness.kafka.cluster.broker_down(1).expect("broker down");
+
+    let mut config = harness.config();
+    config.delivery_timeout = Duration::from_secs(1);
+    config.publish_lease = Duration::from_secs(2);
+    // librdkafka backs reconnects off up to 10 s by default; keep the test short.
+    config
+        .kafka
+        .properties
+        .push(("reconnect.backoff.max.ms".to_owned(), "200".to_owned()));
+    let _upkeep = harness.start_upkeep(config);
+    wait_until("every dead letter failed to publish", WAIT, || {
+        let failed = harness.published("deadletter", "error") >= batch.len() as u64
+            && harness.metrics.upkeep_cycles.get() >= 1;
+        async move { failed }
+    })
+    .await;
+    for row in &batch {
+        assert_eq!(
+            harness.status(&row.id).await,
+            Some(ActivationStatus::Failure),
+            "{} left Failure without an acknowledgement",
+            row.id
+        );
+    }
+    assert_eq!(harness.published("deadletter", "ok"), 0);
+
+    harness.kafka.cluster.broker_up(1).expect("broker up");
+    wait_until("every dead letter is published", WAIT, || async {
+        harness.total().await == 0
+    })
+    .await;
+
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for record in harness.kafka.read_all(DLQ_TOPIC, 1) {
+        let id = TaskActivation::decode(payload(&record).as_slice())
+            .expect("a TaskActivation")
+            .id;
+        *counts.entry(id).or_default() += 1;
+    }
+    let expected: HashMap<String, usize> = batch.iter().map(|row| (row.id.clone(), 1)).collect();
+    assert_eq!(counts, expected, "each dead letter exactly once");
+}
+
+#[actix_rt::test]
+async fn two_upkeep_actors_never_publish_the_same_row() {
+    const ROWS: usize = 300;
+    let harness = Harness::new().await;
+    let batch: Vec<InflightActivation> = (0..ROWS)
+        .map(|i| {
+            let mut activation = task(&format!("retry-{i}"));
+            activation.taskname = format!("tests.lineage_{i}");
+            let mut row = row_from(&activation);
+            row.status = ActivationStatus::Retry;
+            row
+        })
+        .collect();
+    harness.insert(&batch).await;
+
+    // Two brokers: each its own pool, StoreActor, producer and metrics.
+    let mut config = harness.config();
+    config.interval = Duration::from_millis(20);
+    config.batch_limit = 20;
+    let brokers: Vec<(Addr<UpkeepActor>, Arc<Metrics>)> = (0..2)
+        .map(|_| {
+            let store =
+                Arc::new(PostgresStore::connect(&harness.db.store_config()).expect("store"));
+            let metrics = Arc::new(Metrics::new());
+            let store_actor = start_store_actor(store, Arc::clone(&metrics));
+            let upkeep =
+                UpkeepActor::new(config.clone(), store_actor, vec![], Arc::clone(&metrics))
+                    .expect("upkeep starts")
+                    .start();
+            (upkeep, metrics)
+        })
+        .collect();
+    wait_until("every Retry row is published", WAIT, || async {
+        harness.total().await == 0
+    })
+    .await;
+
+    let records = harness.kafka.read_all(RETRY_TOPIC, 1);
+    let mut lineages: HashMap<String, usize> = HashMap::new();
+    for record in &records {
+        let retried = TaskActivation::decode(payload(record).as_slice()).expect("a TaskActivation");
+        *lineages.entry(retried.taskname).or_default() += 1;
+    }
+    let twice: Vec<&String> = lineages
+        .iter()
+        .filter(|(_, count)| **count > 1)
+        .map(|(taskname, _)| taskname)
+        .collect();
+    assert!(twice.is_empty(), "published more than once: {twice:?}");
+    assert_eq!(records.len(), ROWS);
+    assert_eq!(lineages.len(), ROWS);
+    for (i, (_, metrics)) in brokers.iter().enumerate() {
+        let published = metrics.published.with_label_values(&["retry", "ok"]).get();
+        assert!(
+            published > 0,
+            "broker {i} published nothing: no contention tested"
+        );
+    }
+}
+
+#[actix_rt::test]
+async fn kafka_outage_does_not_hold_back_the_other_steps() {
+    let harness = Harness::new().await;
+    harness
+        .insert(&[failure_row("dead", OnAttemptsExceeded::Deadletter)])
+        .await;
+    harness.kafka.cluster.broker_down(1).expect("broker down");
+    let mut config = harness.config();
+    config.delivery_timeout = Duration::from_secs(8);
+    config.publish_lease = Duration::from_secs(20);
+    let _upkeep = harness.start_upkeep(config);
+    // A lease that runs out while the dead letter's publish hangs on the
+    // absent broker: upkeep must release it without waiting for Kafka.
+    harness.insert(&[common::row("lease")]).await;
+    let claimed = harness.claim(Duration::ZERO).await;
+    wait_until("the expired claim is released", WAIT, || async {
+        harness.status(&claimed.id).await == Some(ActivationStatus::Pending)
+    })
+    .await;
+    assert_eq!(
+        harness.published("deadletter", "error"),
+        0,
+        "the claim was released before the publish gave up"
+    );
+    assert_eq!(
+        harness.status("dead").await,
+        Some(ActivationStatus::Failure)
+    );
+    harness.kafka.cluster.broker_up(1).expect("broker up");
+}

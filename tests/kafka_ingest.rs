@@ -606,3 +606,56 @@ async fn consumers_joining_and_leaving_the_group_store_each_record_once() {
         .sum();
     assert!(read >= 6_000, "every record was read ({read})");
 }
+
+#[actix_rt::test]
+async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
+    let harness = Harness::new().await;
+    let mut config = harness.consumer_config();
+    config.max_inflight = 200;
+    config.batch_size = 50;
+    // librdkafka evicts a member that does not poll for max.poll.interval.ms;
+    // a paused consumer must keep polling.
+    config.kafka.properties = vec![
+        ("session.timeout.ms".to_owned(), "3000".to_owned()),
+        ("heartbeat.interval.ms".to_owned(), "500".to_owned()),
+        ("max.poll.interval.ms".to_owned(), "3000".to_owned()),
+    ];
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("idle", 1_000))
+        .await;
+    let (_consumer, metrics) = harness.consume(config);
+    let paused = Arc::clone(&metrics);
+    wait_until("the consumer pauses", Duration::from_secs(30), || {
+        let paused = paused.partitions_paused.get();
+        async move { paused == i64::from(PARTITIONS) }
+    })
+    .await;
+    // Stay paused for twice max.poll.interval.ms, watching the assignment.
+    let until = tokio::time::Instant::now() + Duration::from_secs(6);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(
+            metrics.partitions_assigned.get(),
+            i64::from(PARTITIONS),
+            "the paused consumer lost its partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stored_while_paused = harness.total().await;
+    assert!(stored_while_paused <= 250, "{stored_while_paused} rows");
+    // Drain: it resumes and reads the rest without a rejoin.
+    let client = harness._db.client().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while Metrics::count(&metrics.consumer_records, "stored") < 1_000 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumption did not resume"
+        );
+        client
+            .execute("DELETE FROM inflight_taskactivations", &[])
+            .await
+            .expect("drain");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+}

@@ -60,6 +60,9 @@ pub struct Metrics {
     /// Records upkeep produced to Kafka, by kind (retry, deadletter) and
     /// result (ok, error).
     pub published: IntCounterVec,
+    /// Worker status reports, by status (complete, retry, failure) and
+    /// result (updated, ignored, missing, invalid).
+    pub status_updates: IntCounterVec,
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -213,8 +216,14 @@ impl Metrics {
             "Retry and dead-letter records produced by upkeep, by kind and result.",
             &["kind", "result"],
         );
+        let status_updates = counter_vec(
+            "taskbroker_status_updates_total",
+            "Worker status reports: by status as received, and by the result of writing them.",
+            &["status", "result"],
+        );
         for collector in [
-            Box::new(consumer_records.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(status_updates.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(consumer_records.clone()),
             Box::new(invalid_records.clone()),
             Box::new(ingest_dead_letters.clone()),
             Box::new(partitions_assigned.clone()),
@@ -271,6 +280,21 @@ impl Metrics {
             upkeep_transitions,
             upkeep_errors,
             published,
+            status_updates,
+        }
+    }
+
+    /// Counts what a status write did (status label "any": one statement
+    /// covers many statuses).
+    pub fn record_status_outcome(&self, outcome: &crate::store::StatusUpdateOutcome) {
+        for (result, count) in [
+            ("updated", outcome.updated),
+            ("ignored", outcome.ignored),
+            ("missing", outcome.missing),
+        ] {
+            self.status_updates
+                .with_label_values(&["any", result])
+                .inc_by(count);
         }
     }
 

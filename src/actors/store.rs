@@ -37,6 +37,7 @@ pub struct StoreActor {
     store: Arc<dyn ActivationStore>,
     metrics: Arc<Metrics>,
     pushed: CombinedWrites<(ClaimToken, Duration), bool>,
+    reported: CombinedWrites<StatusUpdate, ()>,
 }
 
 impl StoreActor {
@@ -45,6 +46,7 @@ impl StoreActor {
             store,
             metrics,
             pushed: CombinedWrites::default(),
+            reported: CombinedWrites::default(),
         }
     }
 }
@@ -121,7 +123,53 @@ impl Handler<MarkPushed> for StoreActor {
     }
 }
 
+/// A worker reported one result (SetTaskStatus): written together with other
+/// concurrent reports in one statement. Resolves once the write is durable.
+#[derive(Debug)]
+pub struct ReportStatus {
+    pub update: StatusUpdate,
+}
+
+impl Message for ReportStatus {
+    type Result = StoreResult<()>;
+}
+
+impl Handler<ReportStatus> for StoreActor {
+    type Result = ResponseFuture<StoreResult<()>>;
+
+    fn handle(&mut self, msg: ReportStatus, ctx: &mut Self::Context) -> Self::Result {
+        let answer = self.reported.push(msg.update, "set_status");
+        self.flush_reported(ctx);
+        answer
+    }
+}
+
 impl StoreActor {
+    fn flush_reported(&mut self, ctx: &mut Context<Self>) {
+        let Some(batch) = self.reported.take_batch() else {
+            return;
+        };
+        let updates: Vec<StatusUpdate> = batch.iter().map(|(update, _)| update.clone()).collect();
+        let store = Arc::clone(&self.store);
+        let metrics = Arc::clone(&self.metrics);
+        let write = async move {
+            let started = Instant::now();
+            let result = store.set_status(&updates).await;
+            metrics.observe_store("set_status", started.elapsed(), result.as_ref().err());
+            if let Ok(outcome) = &result {
+                metrics.record_status_outcome(outcome);
+            }
+            result
+        };
+        ctx.spawn(write.into_actor(self).map(move |result, act, ctx| {
+            for (_, reply) in batch {
+                let _ = reply.send(result.as_ref().map(drop).map_err(Clone::clone));
+            }
+            act.reported.flushing = false;
+            act.flush_reported(ctx);
+        }));
+    }
+
     fn flush_pushed(&mut self, ctx: &mut Context<Self>) {
         let Some(batch) = self.pushed.take_batch() else {
             return;

@@ -1,6 +1,8 @@
 //! gRPC: request signing (shared by the broker's server and its push
 //! client), the server-side signature check, and the PushTask client.
 
+pub mod consumer_service;
+pub mod server;
 pub mod signing;
 pub mod verify;
 pub mod worker_client;

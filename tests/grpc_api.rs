@@ -1,0 +1,473 @@
+//! The worker API over real tonic servers and clients on loopback, with the
+//! store on real PostgreSQL: every row of PROTOCOL.md's status-code table,
+//! in both delivery modes, single and batch, and request signing.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use common::{TestDb, insert, row, rows};
+use prost::Message as _;
+use taskbroker::actors::StoreActor;
+use taskbroker::config::DeliveryMode;
+use taskbroker::grpc::consumer_service::ConsumerApi;
+use taskbroker::grpc::server::{ServerConfig, serve};
+use taskbroker::grpc::signing::{SIGNATURE_METADATA, sign};
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::proto::{
+    FetchNextTask, GetTaskRequest, SetBatchActivationStatusRequest, SetTaskStatusRequest,
+    TaskActivationStatus,
+};
+use taskbroker::store::{
+    ActivationStatus, ActivationStore, BucketRange, PostgresStore, PostgresStoreConfig,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+const GET_TASK: &str = "/sentry_protos.taskbroker.v1.ConsumerService/GetTask";
+const SET_STATUS: &str = "/sentry_protos.taskbroker.v1.ConsumerService/SetTaskStatus";
+
+struct Api {
+    _db: Option<TestDb>,
+    store: Arc<PostgresStore>,
+    addr: SocketAddr,
+    _shutdown: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Api {
+    async fn start(mode: DeliveryMode, secrets: Vec<String>) -> Api {
+        let db = TestDb::new().await;
+        let store = db.store().await;
+        Self::serve(Some(db), store, mode, secrets).await
+    }
+
+    async fn serve(
+        db: Option<TestDb>,
+        store: Arc<PostgresStore>,
+        mode: DeliveryMode,
+        secrets: Vec<String>,
+    ) -> Api {
+        let metrics = Arc::new(Metrics::new());
+        let store_actor = {
+            let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
+            StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+                StoreActor::new(store, metrics)
+            })
+        };
+        let api = ConsumerApi::new(store_actor, mode, Duration::from_secs(3), metrics);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+        let (health, _reporter) = tokio::sync::oneshot::channel();
+        tokio::spawn(serve(
+            listener,
+            api,
+            ServerConfig {
+                shared_secrets: secrets,
+                max_request_bytes: 1 << 20,
+            },
+            health,
+            async move {
+                let _ = stop.await;
+            },
+        ));
+        Api {
+            _db: db,
+            store,
+            addr,
+            _shutdown: shutdown,
+        }
+    }
+
+    async fn client(&self) -> ConsumerServiceClient<Channel> {
+        ConsumerServiceClient::connect(format!("http://{}", self.addr))
+            .await
+            .expect("connect to the broker")
+    }
+
+    async fn status(&self, id: &str) -> Option<ActivationStatus> {
+        self.store.get(id).await.unwrap().map(|row| row.status)
+    }
+}
+
+fn set_status(id: &str, status: TaskActivationStatus) -> SetTaskStatusRequest {
+    SetTaskStatusRequest {
+        id: id.to_owned(),
+        status: status as i32,
+        ..Default::default()
+    }
+}
+
+fn signed<T: prost::Message>(message: T, secret: &str, path: &str) -> tonic::Request<T> {
+    let signature = sign(secret, path, &message.encode_to_vec());
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert(SIGNATURE_METADATA, signature.parse().unwrap());
+    request
+}
+
+// ------------------------------------------------------------ GetTask
+
+#[actix_rt::test]
+async fn get_task_in_push_mode_is_permission_denied() {
+    let api = Api::start(DeliveryMode::Push, vec![]).await;
+    let err = api
+        .client()
+        .await
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied);
+}
+
+#[actix_rt::test]
+async fn get_task_hands_out_pending_work_and_not_found_when_none() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    let err = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    insert(api.store.as_ref(), &[row("pull-1")]).await;
+    // A namespace without an application matches nothing.
+    let err = client
+        .get_task(GetTaskRequest {
+            namespace: Some("test-ns".into()),
+            application: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = client
+        .get_task(GetTaskRequest {
+            namespace: None,
+            application: Some("other-app".into()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    let task = client
+        .get_task(GetTaskRequest {
+            namespace: Some("test-ns".into()),
+            application: Some("app".into()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .expect("a task");
+    assert_eq!(task.id, "pull-1");
+    assert_eq!(
+        api.status("pull-1").await,
+        Some(ActivationStatus::Processing)
+    );
+    let err = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "handed out once");
+}
+
+// ------------------------------------------------------------ SetTaskStatus
+
+#[actix_rt::test]
+async fn set_task_status_rejects_statuses_a_worker_cannot_report() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    for status in [0, 1, 2, 6, 99, -1] {
+        let request = SetTaskStatusRequest {
+            id: "any".into(),
+            status,
+            ..Default::default()
+        };
+        let err = client.set_task_status(request).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "status {status}");
+    }
+}
+
+#[actix_rt::test]
+async fn set_task_status_completes_and_is_idempotent_for_unknown_ids() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &[row("done")]).await;
+    client.get_task(GetTaskRequest::default()).await.unwrap();
+    let complete = set_status("done", TaskActivationStatus::Complete);
+    let response = client.set_task_status(complete.clone()).await.unwrap();
+    assert!(response.into_inner().task.is_none(), "no fetch_next asked");
+    assert_eq!(api.status("done").await, Some(ActivationStatus::Complete));
+    // The same report again, and one for an id that never existed: OK.
+    client.set_task_status(complete).await.unwrap();
+    client
+        .set_task_status(set_status("never-stored", TaskActivationStatus::Complete))
+        .await
+        .unwrap();
+    client
+        .set_task_status(set_status("", TaskActivationStatus::Failure))
+        .await
+        .unwrap();
+}
+
+#[actix_rt::test]
+async fn retry_report_rewrites_retry_state() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &[row("again")]).await;
+    client.get_task(GetTaskRequest::default()).await.unwrap();
+    let mut retry = set_status("again", TaskActivationStatus::Retry);
+    retry.max_attempts = Some(7);
+    retry.delay_on_retry = Some(12);
+    client.set_task_status(retry).await.unwrap();
+    let stored = api.store.get("again").await.unwrap().unwrap();
+    assert_eq!(stored.status, ActivationStatus::Retry);
+    let state = taskbroker::proto::TaskActivation::decode(stored.activation.as_slice())
+        .unwrap()
+        .retry_state
+        .unwrap();
+    assert_eq!((state.max_attempts, state.delay_on_retry), (7, Some(12)));
+}
+
+#[actix_rt::test]
+async fn fetch_next_task_hands_out_the_next_task_or_nothing() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &rows("chain", 2)).await;
+    let first = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .unwrap();
+    let mut report = set_status(&first.id, TaskActivationStatus::Complete);
+    report.fetch_next_task = Some(FetchNextTask::default());
+    let next = client
+        .set_task_status(report)
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .expect("the next task");
+    assert_ne!(next.id, first.id);
+    let mut report = set_status(&next.id, TaskActivationStatus::Complete);
+    report.fetch_next_task = Some(FetchNextTask::default());
+    let none = client.set_task_status(report).await.unwrap().into_inner();
+    assert!(
+        none.task.is_none(),
+        "OK with task unset when nothing is left"
+    );
+}
+
+#[actix_rt::test]
+async fn fetch_next_task_in_push_mode_hands_out_nothing() {
+    let api = Api::start(DeliveryMode::Push, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &rows("push", 2)).await;
+    let claimed = api
+        .store
+        .claim_for_push(BucketRange::ALL, 1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut report = set_status(&claimed[0].id, TaskActivationStatus::Complete);
+    report.fetch_next_task = Some(FetchNextTask::default());
+    let response = client.set_task_status(report).await.unwrap().into_inner();
+    assert!(response.task.is_none());
+    assert_eq!(
+        api.status(&claimed[0].id).await,
+        Some(ActivationStatus::Complete),
+        "a Claimed row takes the worker's result"
+    );
+}
+
+// ------------------------------------------------------------ SetBatchActivationStatus
+
+#[actix_rt::test]
+async fn batch_with_one_invalid_status_writes_nothing() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &[row("b1")]).await;
+    client.get_task(GetTaskRequest::default()).await.unwrap();
+    let err = client
+        .set_batch_activation_status(SetBatchActivationStatusRequest {
+            updates: vec![
+                set_status("b1", TaskActivationStatus::Complete),
+                set_status("b1", TaskActivationStatus::Pending),
+            ],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(api.status("b1").await, Some(ActivationStatus::Processing));
+}
+
+#[actix_rt::test]
+async fn batch_skips_unknown_and_empty_ids_and_applies_the_rest() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &rows("batch", 3)).await;
+    for _ in 0..3 {
+        client.get_task(GetTaskRequest::default()).await.unwrap();
+    }
+    let updates = vec![
+        set_status("batch-0", TaskActivationStatus::Complete),
+        set_status("batch-1", TaskActivationStatus::Failure),
+        set_status("batch-2", TaskActivationStatus::Retry),
+        set_status("unknown", TaskActivationStatus::Complete),
+        set_status("", TaskActivationStatus::Complete),
+    ];
+    let request = SetBatchActivationStatusRequest { updates };
+    client
+        .set_batch_activation_status(request.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        api.status("batch-0").await,
+        Some(ActivationStatus::Complete)
+    );
+    assert_eq!(api.status("batch-1").await, Some(ActivationStatus::Failure));
+    assert_eq!(api.status("batch-2").await, Some(ActivationStatus::Retry));
+    // Worker runtimes re-send a batch until it succeeds: still OK.
+    client.set_batch_activation_status(request).await.unwrap();
+}
+
+// ------------------------------------------------------------ store unavailable
+
+#[actix_rt::test]
+async fn store_unavailable_is_unavailable_not_a_hang() {
+    // Nothing listens on port 1: every connection is refused.
+    let mut config = PostgresStoreConfig::new("postgres://postgres@127.0.0.1:1/none");
+    config.connect_timeout = Duration::from_secs(1);
+    let store = Arc::new(PostgresStore::connect(&config).unwrap());
+    let api = Api::serve(None, store, DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    let err = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let err = client
+        .set_task_status(set_status("x", TaskActivationStatus::Complete))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let err = client
+        .set_batch_activation_status(SetBatchActivationStatusRequest {
+            updates: vec![set_status("x", TaskActivationStatus::Complete)],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+}
+
+// ------------------------------------------------------------ signing
+
+#[actix_rt::test]
+async fn signed_requests_are_accepted_with_any_configured_secret() {
+    let api = Api::start(DeliveryMode::Pull, vec!["new".into(), "old".into()]).await;
+    let mut client = api.client().await;
+    for secret in ["new", "old"] {
+        let err = client
+            .get_task(signed(GetTaskRequest::default(), secret, GET_TASK))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::NotFound,
+            "signed with {secret}: past the check"
+        );
+    }
+    client
+        .set_task_status(signed(
+            set_status("unknown", TaskActivationStatus::Complete),
+            "old",
+            SET_STATUS,
+        ))
+        .await
+        .unwrap();
+}
+
+#[actix_rt::test]
+async fn missing_or_wrong_signatures_are_unauthenticated() {
+    let api = Api::start(DeliveryMode::Pull, vec!["right".into()]).await;
+    let mut client = api.client().await;
+    let err = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "missing");
+    let err = client
+        .get_task(signed(GetTaskRequest::default(), "wrong", GET_TASK))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "wrong secret");
+    // Signed for another method: the path is part of the signature.
+    let err = client
+        .get_task(signed(GetTaskRequest::default(), "right", SET_STATUS))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "wrong path");
+}
+
+#[actix_rt::test]
+async fn health_checks_need_no_signature() {
+    let api = Api::start(DeliveryMode::Pull, vec!["right".into()]).await;
+    let channel = Channel::from_shared(format!("http://{}", api.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let response = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "sentry_protos.taskbroker.v1.ConsumerService".into(),
+        })
+        .await
+        .expect("health answers unsigned")
+        .into_inner();
+    assert_eq!(
+        response.status(),
+        tonic_health::pb::health_check_response::ServingStatus::Serving
+    );
+}
+
+#[actix_rt::test]
+async fn truncated_bodies_are_invalid_argument_not_a_panic() {
+    let api = Api::start(DeliveryMode::Pull, vec!["right".into()]).await;
+    // A raw HTTP/2 gRPC call whose body is 3 bytes: shorter than a frame
+    // header, which no well-behaved client sends.
+    let stream = tokio::net::TcpStream::connect(api.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("http://{}{GET_TASK}", api.addr))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header(SIGNATURE_METADATA, "00")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(&[
+            0, 0, 0,
+        ])))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response
+        .headers()
+        .get("grpc-status")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    assert_eq!(
+        status.as_deref(),
+        Some("3"),
+        "INVALID_ARGUMENT ({:?})",
+        response.headers()
+    );
+}

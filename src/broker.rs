@@ -182,13 +182,31 @@ impl UpkeepConfig {
     }
 }
 
-/// The whole broker: store, consumer, upkeep and (push mode) the pipeline.
+/// The whole broker: store, consumer, upkeep, (push mode) the pipeline, the
+/// gRPC server and the metrics endpoint.
 pub struct Broker {
     pub store: Addr<StoreActor>,
     pub consumer: Addr<ConsumerActor>,
     pub upkeep: Addr<UpkeepActor>,
     pub pipeline: Option<PushPipeline>,
+    /// Where the gRPC server and the metrics endpoint listen (resolved, so
+    /// port 0 in the configuration shows the port taken).
+    pub grpc_addr: std::net::SocketAddr,
+    pub metrics_addr: std::net::SocketAddr,
+    grpc_shutdown: tokio::sync::oneshot::Sender<()>,
+    http_shutdown: tokio::sync::oneshot::Sender<()>,
     arbiters: Vec<Arbiter>,
+}
+
+/// Binds a listening socket now, so a taken port fails startup with a clear
+/// error instead of failing later in a background task.
+fn bind(addr: std::net::SocketAddr, what: &str) -> Result<std::net::TcpListener, String> {
+    let listener = std::net::TcpListener::bind(addr)
+        .map_err(|err| format!("cannot listen on {addr} for {what}: {err}"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|err| format!("{what} socket: {err}"))?;
+    Ok(listener)
 }
 
 impl Broker {
@@ -239,6 +257,7 @@ impl Broker {
         let upkeep = UpkeepActor::start_in_arbiter(&upkeep_arbiter.handle(), move |_| upkeep);
 
         let consumer_arbiter = Arbiter::new();
+        let shared_metrics = Arc::clone(&metrics);
         let consumer = ConsumerActor::new(
             ConsumerConfig::from_config(config),
             store_actor.clone(),
@@ -247,24 +266,113 @@ impl Broker {
         );
         let consumer =
             ConsumerActor::start_in_arbiter(&consumer_arbiter.handle(), move |_| consumer);
+
+        // The gRPC server and the metrics endpoint share an Arbiter of their
+        // own, away from the actors.
+        let server_arbiter = Arbiter::new();
+        let grpc_listener = bind(config.grpc_addr, "gRPC (TASKBROKER_GRPC_ADDR)")?;
+        let metrics_listener = bind(config.metrics_addr, "metrics (TASKBROKER_METRICS_ADDR)")?;
+        let grpc_addr = grpc_listener.local_addr().map_err(|err| err.to_string())?;
+        let metrics_addr = metrics_listener
+            .local_addr()
+            .map_err(|err| err.to_string())?;
+        let (grpc_shutdown, grpc_stop) = tokio::sync::oneshot::channel::<()>();
+        let (http_shutdown, http_stop) = tokio::sync::oneshot::channel::<()>();
+        let api = crate::grpc::consumer_service::ConsumerApi::new(
+            store_actor.clone(),
+            config.delivery_mode,
+            config.processing_deadline_grace,
+            Arc::clone(&shared_metrics),
+        );
+        let server_config = crate::grpc::server::ServerConfig {
+            shared_secrets: config.grpc_shared_secrets.clone(),
+            max_request_bytes: config.grpc_max_request_bytes,
+        };
+        let (health_tx, health_rx) = tokio::sync::oneshot::channel();
+        server_arbiter.spawn(async move {
+            let listener = match tokio::net::TcpListener::from_std(grpc_listener) {
+                Ok(listener) => listener,
+                Err(err) => return tracing::error!(error = %err, "gRPC listener"),
+            };
+            let stop = async move {
+                let _ = grpc_stop.await;
+            };
+            if let Err(err) =
+                crate::grpc::server::serve(listener, api, server_config, health_tx, stop).await
+            {
+                tracing::error!(error = %err, "gRPC server failed");
+            }
+        });
+        let health_store = store_actor.clone();
+        server_arbiter.spawn(async move {
+            if let Ok(reporter) = health_rx.await {
+                report_health(reporter, health_store).await;
+            }
+        });
+        let (http_metrics, http_store) = (Arc::clone(&shared_metrics), store_actor.clone());
+        server_arbiter.spawn(async move {
+            let listener = match tokio::net::TcpListener::from_std(metrics_listener) {
+                Ok(listener) => listener,
+                Err(err) => return tracing::error!(error = %err, "metrics listener"),
+            };
+            let stop = async move {
+                let _ = http_stop.await;
+            };
+            if let Err(err) = crate::http::serve(listener, http_metrics, http_store, stop).await {
+                tracing::error!(error = %err, "metrics endpoint failed");
+            }
+        });
+        tracing::info!(%grpc_addr, %metrics_addr, "serving");
         Ok(Broker {
             store: store_actor,
             consumer,
             upkeep,
             pipeline,
-            arbiters: vec![consumer_arbiter, upkeep_arbiter, store_arbiter],
+            grpc_addr,
+            metrics_addr,
+            grpc_shutdown,
+            http_shutdown,
+            arbiters: vec![
+                server_arbiter,
+                consumer_arbiter,
+                upkeep_arbiter,
+                store_arbiter,
+            ],
         })
     }
 
-    /// Stops every actor in the order described in the module docs.
+    /// Stops every actor in the order described in the module docs. The
+    /// gRPC server stops after the pushes, so workers can still report the
+    /// results of tasks pushed during shutdown; its in-flight calls finish.
     pub async fn stop(self) {
         let _ = self.consumer.send(StopConsuming).await;
         if let Some(pipeline) = self.pipeline {
             pipeline.stop().await;
         }
         let _ = self.upkeep.send(StopUpkeep).await;
+        let _ = self.grpc_shutdown.send(());
+        let _ = self.http_shutdown.send(());
         for arbiter in self.arbiters {
             arbiter.stop();
+        }
+    }
+}
+
+/// Keeps grpc.health.v1 in step with the store: SERVING while it answers.
+async fn report_health(reporter: tonic_health::server::HealthReporter, store: Addr<StoreActor>) {
+    use crate::proto::consumer_service_server::ConsumerServiceServer;
+    type Api = ConsumerServiceServer<crate::grpc::consumer_service::ConsumerApi>;
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let healthy = matches!(
+            store.send(crate::actors::store::CountByStatus {}).await,
+            Ok(Ok(_))
+        );
+        if healthy {
+            reporter.set_serving::<Api>().await;
+        } else {
+            reporter.set_not_serving::<Api>().await;
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod broker;
 pub mod config;
 pub mod demo;
 pub mod grpc;
+pub mod http;
 pub mod kafka;
 pub mod metrics;
 pub mod store;

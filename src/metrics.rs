@@ -31,7 +31,8 @@ pub struct Metrics {
     /// push_failed, lease_expired, shutdown, dropped).
     pub claims_released: IntCounterVec,
     /// PushTask outcomes, by result (ok, error, busy, timeout, unroutable,
-    /// undecodable, stale).
+    /// undecodable); `stale` counts the ok pushes whose row had moved on
+    /// before the mark-processing write (claimed again, or already reported).
     pub pushes: IntCounterVec,
     /// Duration of PushTask RPCs.
     pub push_duration: Histogram,
@@ -145,7 +146,7 @@ impl Metrics {
         );
         let pushes = counter_vec(
             "taskbroker_pushes_total",
-            "PushTask outcomes, by result.",
+            "PushTask outcomes, by result; stale: accepted pushes whose row had already moved on.",
             &["result"],
         );
         // Fine buckets: push latency on a local network is sub-millisecond.

@@ -245,6 +245,11 @@ impl PushShared {
         let token = claim.token().clone();
         match outcome {
             PushOutcome::Ok => {
+                self.metrics.pushes.with_label_values(&["ok"]).inc();
+                let age = chrono::Utc::now() - received_at;
+                self.metrics
+                    .received_to_pushed
+                    .observe(age.as_seconds_f64().max(0.0));
                 let moved = self
                     .store
                     .send(MarkPushed {
@@ -253,15 +258,11 @@ impl PushShared {
                     })
                     .await;
                 match moved {
-                    Ok(Ok(true)) => {
-                        self.metrics.pushes.with_label_values(&["ok"]).inc();
-                        let age = chrono::Utc::now() - received_at;
-                        self.metrics
-                            .received_to_pushed
-                            .observe(age.as_seconds_f64().max(0.0));
-                    }
-                    // Claimed again after its lease ran out: a duplicate
-                    // delivery, counted, nothing changed.
+                    Ok(Ok(true)) => {}
+                    // The row moved on before the write: claimed again after
+                    // its lease ran out (a duplicate delivery), or already
+                    // finished by the worker's report. Counted, nothing
+                    // changed.
                     Ok(Ok(false)) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
                     Ok(Err(err)) => {
                         tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");

@@ -1007,6 +1007,8 @@ impl Values {
         let metrics = self.peek::<SocketAddr>("METRICS_ADDR");
         if let (Some(grpc), Some(metrics)) = (grpc, metrics)
             && grpc.port() == metrics.port()
+            // Port 0 asks the system for a free port: never the same one.
+            && grpc.port() != 0
             && (grpc.ip() == metrics.ip()
                 || grpc.ip().is_unspecified()
                 || metrics.ip().is_unspecified())

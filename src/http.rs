@@ -1,0 +1,55 @@
+//! The operator's HTTP endpoint on `METRICS_ADDR`: `/metrics` (Prometheus
+//! text format), `/health` (liveness: the process answers) and `/ready`
+//! (readiness: the store answers; migrations ran before the broker started).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use actix::Addr;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::actors::StoreActor;
+use crate::actors::store::CountByStatus;
+use crate::metrics::Metrics;
+
+#[derive(Clone)]
+struct Endpoint {
+    metrics: Arc<Metrics>,
+    store: Addr<StoreActor>,
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    store: Addr<StoreActor>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(render))
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/ready", get(ready))
+        .with_state(Endpoint { metrics, store });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn render(State(endpoint): State<Endpoint>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        endpoint.metrics.render(),
+    )
+}
+
+async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
+    match endpoint.store.send(CountByStatus {}).await {
+        Ok(Ok(_)) => (StatusCode::OK, "ready\n".to_owned()),
+        Ok(Err(err)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
+        Err(err) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
+    }
+}

@@ -4,7 +4,10 @@
 //! variables, refusing to start on any bad value; opens the store and applies
 //! migrations; starts the actors, each on an Arbiter (a thread) of its own so
 //! the broker uses every core; then waits for SIGTERM or SIGINT and stops
-//! the actors in order. `taskbroker migrate` only applies migrations, and
+//! the actors in the order `broker.rs` describes (consumer commits, fetchers
+//! finish their batch, pushes in flight finish, held claims are released in
+//! one statement, the gRPC server drains), exiting 0 within
+//! `SHUTDOWN_TIMEOUT_MS`. A second signal exits at once. `taskbroker migrate` only applies migrations, and
 //! `taskbroker config` prints the effective configuration (secrets redacted)
 //! or, with `--markdown`, the configuration reference in docs/.
 
@@ -139,9 +142,28 @@ async fn run(config: Config) -> Result<(), String> {
     }
 
     wait_for_shutdown_signal().await;
-    tracing::info!("shutting down");
-    broker.stop().await;
-    Ok(())
+    tracing::info!(
+        timeout_ms = config.shutdown_timeout.as_millis() as u64,
+        "shutting down (a second signal exits at once)"
+    );
+    // A second signal means "now": exit without the orderly stop. Claims
+    // still held then return through their lease.
+    actix_rt::spawn(async {
+        wait_for_shutdown_signal().await;
+        tracing::warn!("second signal: exiting at once");
+        std::process::exit(130);
+    });
+    match tokio::time::timeout(config.shutdown_timeout, broker.stop()).await {
+        Ok(()) => {
+            tracing::info!("stopped cleanly");
+            Ok(())
+        }
+        Err(_) => Err(format!(
+            "shutdown took longer than TASKBROKER_SHUTDOWN_TIMEOUT_MS={}; claims still held \
+             return through their lease",
+            config.shutdown_timeout.as_millis()
+        )),
+    }
 }
 
 /// This machine's name, for the advertised gRPC address.

@@ -1,0 +1,169 @@
+//! The real `taskbroker` binary with load in flight, stopped with SIGTERM:
+//! exits 0, leaves no Claimed row, has committed what it stored, and lost
+//! no status report it acknowledged.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::kafka::MockKafka;
+use common::worker::{FakeWorker, Mode};
+use common::{TestDb, wait_until};
+use prost::Message as _;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::proto::{
+    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
+};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+#[actix_rt::test]
+async fn sigterm_with_load_in_flight_stops_cleanly() {
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 4);
+    let worker = FakeWorker::start(Mode::Accept {
+        delay: Duration::from_millis(20),
+    })
+    .await;
+    let payloads: Vec<Vec<u8>> = (0..3_000)
+        .map(|i| {
+            TaskActivation {
+                id: format!("term-{i}"),
+                namespace: "term".to_owned(),
+                taskname: "tests.term".to_owned(),
+                processing_deadline_duration: 60,
+                application: Some("app".to_owned()),
+                ..Default::default()
+            }
+            .encode_to_vec()
+        })
+        .collect();
+    kafka.produce("tasks", &payloads).await;
+
+    let grpc_port = free_port();
+    let mut broker = Command::new(env!("CARGO_BIN_EXE_taskbroker"))
+        .arg("run")
+        .env("TASKBROKER_DATABASE_URL", &db.url)
+        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
+        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+        .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
+        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{grpc_port}"))
+        .env(
+            "TASKBROKER_METRICS_ADDR",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env("TASKBROKER_PUSH_CONCURRENCY", "8")
+        .env("TASKBROKER_SHUTDOWN_TIMEOUT_MS", "20000")
+        .env("TASKBROKER_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the broker binary");
+
+    // Report results for what the worker accepted, until a few hundred are
+    // done; keep the load going while the signal arrives.
+    let mut acknowledged: HashSet<String> = HashSet::new();
+    wait_until("the broker pushes", Duration::from_secs(60), || {
+        let n = worker.seen.accepted().len();
+        async move { n >= 300 }
+    })
+    .await;
+    let mut client = ConsumerServiceClient::connect(format!("http://127.0.0.1:{grpc_port}"))
+        .await
+        .expect("broker gRPC");
+    let report = |ids: Vec<String>| SetBatchActivationStatusRequest {
+        updates: ids
+            .into_iter()
+            .map(|id| SetTaskStatusRequest {
+                id,
+                status: TaskActivationStatus::Complete as i32,
+                ..Default::default()
+            })
+            .collect(),
+    };
+    let first: Vec<String> = worker.seen.accepted();
+    client
+        .set_batch_activation_status(report(first.clone()))
+        .await
+        .expect("report");
+    acknowledged.extend(first);
+
+    let pid = broker.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    // Reports keep arriving during shutdown; those acknowledged must stick.
+    for _ in 0..5 {
+        let fresh: Vec<String> = worker
+            .seen
+            .accepted()
+            .into_iter()
+            .filter(|id| !acknowledged.contains(id))
+            .collect();
+        if client
+            .set_batch_activation_status(report(fresh.clone()))
+            .await
+            .is_ok()
+        {
+            acknowledged.extend(fresh);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let status = tokio::task::spawn_blocking(move || broker.wait())
+        .await
+        .unwrap()
+        .expect("broker exit status");
+    assert_eq!(status.code(), Some(0), "clean exit");
+
+    let client = db.client().await;
+    let claimed: i64 = client
+        .query_one(
+            "SELECT count(*) FROM inflight_taskactivations WHERE status = 'Claimed'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(claimed, 0, "no Claimed row left");
+    for id in &acknowledged {
+        let row = taskbroker::store::ActivationStore::get(store.as_ref(), id)
+            .await
+            .unwrap();
+        if let Some(row) = row {
+            assert_eq!(
+                row.status,
+                taskbroker::store::ActivationStatus::Complete,
+                "acknowledged report for {id} lost"
+            );
+        }
+    }
+    // Every stored record's offset is committed.
+    let committed = kafka.committed("taskbroker", "tasks", 4);
+    for (partition, committed) in committed.iter().enumerate() {
+        let max_stored: Option<i64> = client
+            .query_one(
+                "SELECT max(kafka_offset) FROM inflight_taskactivations WHERE partition = $1",
+                &[&(partition as i32)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if let Some(max_stored) = max_stored {
+            assert!(
+                *committed > max_stored,
+                "partition {partition}: committed {committed}, stored up to {max_stored}"
+            );
+        }
+    }
+}

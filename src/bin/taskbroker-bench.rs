@@ -47,6 +47,27 @@ enum Scenario {
     Push(PushArgs),
     /// Produce to the mock Kafka cluster, then time the consumer storing it.
     Ingest(IngestArgs),
+    /// Time workers reporting results: SetTaskStatus and SetBatchActivationStatus.
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args)]
+struct StatusArgs {
+    /// Reports per API.
+    #[arg(long, default_value_t = 20_000)]
+    updates: usize,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Updates per SetBatchActivationStatus call.
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
+    #[arg(
+        long,
+        env = "TASKBROKER_TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    admin_url: String,
 }
 
 #[derive(clap::Args)]
@@ -102,6 +123,7 @@ fn main() -> Result<(), String> {
     match cli.scenario {
         Scenario::Push(args) => actix_rt::System::new().block_on(push(args)),
         Scenario::Ingest(args) => actix_rt::System::new().block_on(ingest(args)),
+        Scenario::Status(args) => actix_rt::System::new().block_on(status(args)),
     }
 }
 
@@ -117,6 +139,156 @@ async fn ingest(args: IngestArgs) -> Result<(), String> {
         run_ingest(&args, &database).await
     })
     .await
+}
+
+async fn status(args: StatusArgs) -> Result<(), String> {
+    with_scratch_database(&args.admin_url.clone(), |database| async move {
+        run_status(&args, &database).await
+    })
+    .await
+}
+
+async fn run_status(args: &StatusArgs, url: &str) -> Result<(), String> {
+    use taskbroker::config::DeliveryMode;
+    use taskbroker::grpc::consumer_service::ConsumerApi;
+    use taskbroker::grpc::server::{ServerConfig, serve};
+    use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+    use taskbroker::proto::{
+        SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivationStatus,
+    };
+
+    let mut store_config = PostgresStoreConfig::new(url);
+    store_config.pool_size = 16;
+    let store = Arc::new(PostgresStore::connect(&store_config).map_err(|e| e.to_string())?);
+    store.migrate().await.map_err(|e| e.to_string())?;
+    let metrics = Arc::new(Metrics::new());
+    let store_actor = {
+        let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
+        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+            StoreActor::new(store, metrics)
+        })
+    };
+    // The server on an Arbiter of its own, as in the broker.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let api = ConsumerApi::new(
+        store_actor,
+        DeliveryMode::Pull,
+        Duration::from_secs(3),
+        Arc::clone(&metrics),
+    );
+    let server_arbiter = Arbiter::new();
+    server_arbiter.spawn(async move {
+        let (health, _) = tokio::sync::oneshot::channel();
+        if let Ok(listener) = tokio::net::TcpListener::from_std(listener) {
+            let config = ServerConfig {
+                shared_secrets: Vec::new(),
+                max_request_bytes: 4 << 20,
+            };
+            let _ = serve(listener, api, config, health, std::future::pending()).await;
+        }
+    });
+    let url = format!("http://{addr}");
+    let report = |id: String| SetTaskStatusRequest {
+        id,
+        status: TaskActivationStatus::Complete as i32,
+        ..Default::default()
+    };
+
+    for api_name in ["SetTaskStatus", "SetBatchActivationStatus"] {
+        // Processing rows to complete.
+        let mut rows = Vec::with_capacity(args.updates);
+        let mut ids = Vec::with_capacity(args.updates);
+        for i in 0..args.updates {
+            let bytes = prost::Message::encode_to_vec(&bench_activation());
+            let mut row = inflight_from_record(
+                &bytes,
+                KafkaPosition {
+                    topic: "bench".to_owned(),
+                    partition: 0,
+                    offset: i as i64,
+                },
+                chrono::Utc::now(),
+                Duration::ZERO,
+            )
+            .map_err(|e| e.to_string())?;
+            row.status = ActivationStatus::Processing;
+            ids.push(row.id.clone());
+            rows.push(row);
+        }
+        for chunk in rows.chunks(1000) {
+            store.insert_batch(chunk).await.map_err(|e| e.to_string())?;
+        }
+        let per_client = ids.len().div_ceil(args.clients);
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for share in ids.chunks(per_client) {
+            let share = share.to_vec();
+            let url = url.clone();
+            let batch = args.batch;
+            let batched = api_name == "SetBatchActivationStatus";
+            tasks.push(actix_rt::spawn(async move {
+                let mut client = ConsumerServiceClient::connect(url)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if batched {
+                    for chunk in share.chunks(batch) {
+                        let updates = chunk.iter().cloned().map(report).collect();
+                        client
+                            .set_batch_activation_status(SetBatchActivationStatusRequest {
+                                updates,
+                            })
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                } else {
+                    for id in share {
+                        client
+                            .set_task_status(report(id))
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+                Ok::<(), String>(())
+            }));
+        }
+        for task in tasks {
+            task.await.map_err(|e| e.to_string())??;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let complete = store
+            .count_by_status()
+            .await
+            .map_err(|e| e.to_string())?
+            .get(ActivationStatus::Complete);
+        if complete != args.updates as u64 {
+            return Err(format!("{complete} of {} rows completed", args.updates));
+        }
+        store
+            .remove_completed(usize::MAX)
+            .await
+            .map_err(|e| e.to_string())?;
+        println!(
+            "{api_name}: {} updates, {} clients{}: {:.2} s, {:.0} updates/s",
+            args.updates,
+            args.clients,
+            if api_name == "SetBatchActivationStatus" {
+                format!(", {} per call", args.batch)
+            } else {
+                String::new()
+            },
+            secs,
+            args.updates as f64 / secs
+        );
+    }
+    println!(
+        "  set_status statements: {} for {} updates",
+        metrics.store_calls("set_status"),
+        2 * args.updates
+    );
+    server_arbiter.stop();
+    Ok(())
 }
 
 /// Runs `body` on a database created for it and dropped afterwards.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, wait_until};
+use common::{TestDb, http_get, wait_until};
 use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
@@ -70,25 +70,9 @@ async fn produce_tasks(kafka: &MockKafka) -> HashSet<String> {
 }
 
 async fn scrape(broker: &Broker) -> String {
-    let stream = tokio::net::TcpStream::connect(broker.metrics_addr)
-        .await
-        .unwrap();
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::get("/metrics")
-        .header("host", "localhost")
-        .body(http_body_util::Empty::<bytes::Bytes>::new())
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    assert_eq!(response.status(), 200);
-    let body = http_body_util::BodyExt::collect(response.into_body())
-        .await
-        .unwrap()
-        .to_bytes();
-    String::from_utf8(body.to_vec()).unwrap()
+    let (status, body) = http_get(broker.metrics_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    body
 }
 
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -149,11 +133,15 @@ async fn push_mode_end_to_end_with_workers_reporting_in_batches() {
                     ..Default::default()
                 })
                 .collect();
-            client
+            // Like worker runtimes, re-send a report the broker could not
+            // take (e.g. UNAVAILABLE while the machine is loaded).
+            match client
                 .set_batch_activation_status(SetBatchActivationStatusRequest { updates })
                 .await
-                .expect("batch report");
-            reported.extend(chunk.iter().cloned());
+            {
+                Ok(_) => reported.extend(chunk.iter().cloned()),
+                Err(status) => eprintln!("report failed, re-sending: {status}"),
+            }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kafka::MockKafka;
-use common::{TestDb, wait_until};
+use common::{TestDb, http_get, wait_until};
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
 use taskbroker::metrics::Metrics;
@@ -32,24 +32,7 @@ fn config(kafka: &MockKafka, database_url: &str) -> Config {
 }
 
 async fn http_status(broker: &Broker, path: &str) -> u16 {
-    let stream = tokio::net::TcpStream::connect(broker.metrics_addr)
-        .await
-        .unwrap();
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::get(path)
-        .header("host", "localhost")
-        .body(http_body_util::Empty::<bytes::Bytes>::new())
-        .unwrap();
-    sender
-        .send_request(request)
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+    http_get(broker.metrics_addr, path).await.0
 }
 
 async fn grpc_health(broker: &Broker) -> ServingStatus {

@@ -137,6 +137,9 @@ fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreErro
                     SqlState::CRASH_SHUTDOWN,
                     SqlState::CANNOT_CONNECT_NOW,
                     SqlState::TOO_MANY_CONNECTIONS,
+                    // Transient: the same statement succeeds when re-run.
+                    SqlState::T_R_DEADLOCK_DETECTED,
+                    SqlState::T_R_SERIALIZATION_FAILURE,
                 ]
                 .contains(code)
         }
@@ -311,29 +314,51 @@ const CLAIM_FOR_PULL_APPLICATION: &str =
     claim_for_pull!("AND application = $2 AND $3::text IS NULL");
 const CLAIM_FOR_PULL_NAMESPACE: &str = claim_for_pull!("AND application = $2 AND namespace = $3");
 
-const RELEASE_CLAIMS: &str = "UPDATE inflight_taskactivations t SET status = 'Pending' \
-     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
-     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+// Batch writes by id lock their rows in id order first (`held`): two
+// batches touching the same rows (a push pool marking pushes while workers
+// report results) would otherwise lock them in different orders and
+// deadlock. The fence (status and claim_expires_at) is re-checked on the
+// locked row version.
+macro_rules! fenced_claims {
+    () => {
+        "WITH held AS MATERIALIZED (SELECT t.id FROM inflight_taskactivations t \
+           JOIN unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
+             ON t.id = r.id AND t.claim_expires_at = r.claim_expires_at \
+           WHERE t.status = 'Claimed' ORDER BY t.id FOR UPDATE OF t) "
+    };
+}
 
-const MARK_PROCESSING: &str = "UPDATE inflight_taskactivations t SET status = 'Processing', \
+const RELEASE_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+const MARK_PROCESSING: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Processing', \
        processing_deadline = now() + ($3::float8 + t.processing_deadline_duration) \
                                       * interval '1 second' \
-     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
-     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at \
-     RETURNING t.id";
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed' RETURNING t.id"
+);
 
-const FAIL_CLAIM_ATTEMPT: &str = "UPDATE inflight_taskactivations t \
+const FAIL_CLAIM_ATTEMPT: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t \
        SET processing_attempts = t.processing_attempts + 1, \
            status = CASE WHEN t.processing_attempts + 1 >= $3 THEN 'Failure' ELSE 'Pending' END \
-     FROM unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
-     WHERE t.id = r.id AND t.status = 'Claimed' AND t.claim_expires_at = r.claim_expires_at";
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
 
 // Counts are over distinct ids; `existing` is read from the statement's
 // snapshot, i.e. before the update.
 const SET_STATUS: &str = "WITH u AS (SELECT DISTINCT ON (id) id, status \
        FROM unnest($1::text[], $2::text[]) AS u(id, status)), \
-     updated AS (UPDATE inflight_taskactivations t SET status = u.status FROM u \
-       WHERE t.id = u.id AND t.status IN ('Claimed', 'Processing') RETURNING t.id) \
+     held AS MATERIALIZED (SELECT t.id FROM inflight_taskactivations t JOIN u ON t.id = u.id \
+       WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
+     updated AS (UPDATE inflight_taskactivations t SET status = u.status FROM u, held \
+       WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
+       RETURNING t.id) \
      SELECT (SELECT count(*) FROM u), \
             (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
             (SELECT count(*) FROM updated)";

@@ -239,8 +239,10 @@ impl PushShared {
                 outcome
             }
         };
-        // The RPC is over: let the next push start while the store write runs.
-        drop(slot);
+        // The slot is held until the store write below is done, so a drained
+        // pool (every slot free) has no push whose outcome is still unwritten:
+        // shutdown then releases only claims that were never pushed.
+        let _slot = slot;
 
         let token = claim.token().clone();
         match outcome {

@@ -303,10 +303,12 @@ impl Broker {
                 tracing::error!(error = %err, "gRPC server failed");
             }
         });
-        let health_store = store_actor.clone();
+        let (health_store, health_metrics) = (store_actor.clone(), Arc::clone(&shared_metrics));
+        // Upkeep counts as stalled after ten missed intervals (at least 30 s).
+        let upkeep_stall = (config.upkeep_interval * 10).max(std::time::Duration::from_secs(30));
         server_arbiter.spawn(async move {
             if let Ok(reporter) = health_rx.await {
-                report_health(reporter, health_store).await;
+                report_health(reporter, health_store, health_metrics, upkeep_stall).await;
             }
         });
         let (http_metrics, http_store) = (Arc::clone(&shared_metrics), store_actor.clone());
@@ -358,17 +360,30 @@ impl Broker {
     }
 }
 
-/// Keeps grpc.health.v1 in step with the store: SERVING while it answers.
-async fn report_health(reporter: tonic_health::server::HealthReporter, store: Addr<StoreActor>) {
+/// Keeps grpc.health.v1 in step with the broker: SERVING while the store
+/// answers and upkeep cycles keep completing (none for `upkeep_stall` means
+/// deadlines, expiry and retries have stopped).
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    store: Addr<StoreActor>,
+    metrics: Arc<Metrics>,
+    upkeep_stall: std::time::Duration,
+) {
     use crate::proto::consumer_service_server::ConsumerServiceServer;
     type Api = ConsumerServiceServer<crate::grpc::consumer_service::ConsumerApi>;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    let (mut cycles, mut progressed) = (metrics.upkeep_cycles.get(), tokio::time::Instant::now());
     loop {
         tick.tick().await;
-        let healthy = matches!(
+        if metrics.upkeep_cycles.get() != cycles {
+            cycles = metrics.upkeep_cycles.get();
+            progressed = tokio::time::Instant::now();
+        }
+        let store_answers = matches!(
             store.send(crate::actors::store::CountByStatus {}).await,
             Ok(Ok(_))
         );
+        let healthy = store_answers && progressed.elapsed() < upkeep_stall;
         if healthy {
             reporter.set_serving::<Api>().await;
         } else {

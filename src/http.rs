@@ -1,6 +1,8 @@
 //! The operator's HTTP endpoint on `METRICS_ADDR`: `/metrics` (Prometheus
 //! text format), `/health` (liveness: the process answers) and `/ready`
-//! (readiness: the store answers; migrations ran before the broker started).
+//! (readiness: migrations ran before the broker started, the store answers,
+//! and the Kafka consumer has joined its group and received an assignment,
+//! possibly empty when there are more replicas than partitions).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -47,6 +49,12 @@ async fn render(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 }
 
 async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
+    if endpoint.metrics.consumer_assignments.get() == 0 {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "kafka: no partition assignment yet\n".to_owned(),
+        );
+    }
     match endpoint.store.send(CountByStatus {}).await {
         Ok(Ok(_)) => (StatusCode::OK, "ready\n".to_owned()),
         Ok(Err(err)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),

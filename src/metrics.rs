@@ -48,6 +48,8 @@ pub struct Metrics {
     pub ingest_dead_letters: IntCounterVec,
     /// Partitions this broker's consumer holds.
     pub partitions_assigned: IntGauge,
+    /// Assignments the consumer received (readiness needs one, even empty).
+    pub consumer_assignments: IntCounter,
     /// Partitions paused for backpressure.
     pub partitions_paused: IntGauge,
     /// Completed upkeep cycles.
@@ -187,6 +189,10 @@ impl Metrics {
             "Kafka partitions assigned to this broker.",
         )
         .expect("valid metric definition");
+        let consumer_assignments = counter(
+            "taskbroker_consumer_assignments_total",
+            "Partition assignments received by the consumer (rebalances it took part in).",
+        );
         let partitions_paused = IntGauge::new(
             "taskbroker_consumer_partitions_paused",
             "Kafka partitions paused because the store holds MAX_INFLIGHT rows.",
@@ -228,6 +234,7 @@ impl Metrics {
             Box::new(invalid_records.clone()),
             Box::new(ingest_dead_letters.clone()),
             Box::new(partitions_assigned.clone()),
+            Box::new(consumer_assignments.clone()),
             Box::new(partitions_paused.clone()),
             Box::new(upkeep_cycles.clone()),
             Box::new(upkeep_duration.clone()),
@@ -275,6 +282,7 @@ impl Metrics {
             invalid_records,
             ingest_dead_letters,
             partitions_assigned,
+            consumer_assignments,
             partitions_paused,
             upkeep_cycles,
             upkeep_duration,

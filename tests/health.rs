@@ -57,6 +57,7 @@ async fn healthy_broker_is_live_ready_and_serving() {
     let db = TestDb::new().await;
     let store = db.store().await;
     let kafka = MockKafka::start();
+    kafka.create_topic("taskworker", 2);
     let broker = Broker::start(
         &config(&kafka, &db.url),
         store,
@@ -65,10 +66,15 @@ async fn healthy_broker_is_live_ready_and_serving() {
     )
     .expect("broker starts");
     assert_eq!(http_status(&broker, "/health").await, 200);
-    assert_eq!(http_status(&broker, "/ready").await, 200);
+    let broker = Arc::new(broker);
+    // Ready once the consumer has joined its group.
+    wait_until("the broker is ready", Duration::from_secs(30), || {
+        let broker = Arc::clone(&broker);
+        async move { http_status(&broker, "/ready").await == 200 }
+    })
+    .await;
     assert_eq!(http_status(&broker, "/metrics").await, 200);
     assert_eq!(grpc_health(&broker).await, ServingStatus::Serving);
-    broker.stop().await;
 }
 
 #[actix_rt::test]

@@ -322,6 +322,7 @@ impl ConsumeLoop {
             Rebalanced::Assigned(count) => {
                 tracing::info!(partitions = count, "Kafka partitions assigned");
                 self.metrics.partitions_assigned.set(count as i64);
+                self.metrics.consumer_assignments.inc();
                 if self.paused {
                     self.pause_assigned();
                 }

@@ -196,7 +196,9 @@ async fn database_outage_returns_unavailable_then_recovers() {
 
     let rows = common::rows("outage", 3);
     let inserted = addr
-        .send(InsertBatch { rows: rows.clone() })
+        .send(InsertBatch {
+            rows: Arc::new(rows.clone()),
+        })
         .await
         .expect("actor answers")
         .expect("insert before the outage");

@@ -429,8 +429,15 @@ impl ConsumeLoop {
         if rows.is_empty() {
             return 0;
         }
+        let rows = Arc::new(rows);
         loop {
-            match self.store.send(InsertBatch { rows: rows.clone() }).await {
+            match self
+                .store
+                .send(InsertBatch {
+                    rows: Arc::clone(&rows),
+                })
+                .await
+            {
                 Ok(Ok(stored)) => return stored,
                 Ok(Err(err)) => {
                     tracing::warn!(error = %err, rows = rows.len(), "cannot store consumed batch; retrying");

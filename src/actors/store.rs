@@ -254,7 +254,9 @@ macro_rules! store_messages {
 
 store_messages! {
     /// Store newly consumed activations (idempotent); answers how many were new.
-    InsertBatch { rows: Vec<InflightActivation> } -> u64,
+    /// Shared, so a sender retrying after an error keeps the rows without
+    /// copying the activation bytes for each attempt.
+    InsertBatch { rows: Arc<Vec<InflightActivation>> } -> u64,
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
     /// Claim Pending rows of a bucket range for push delivery.

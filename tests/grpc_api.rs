@@ -8,10 +8,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::prelude::*;
 use common::{TestDb, insert, row, rows};
 use prost::Message as _;
-use taskbroker::actors::StoreActor;
 use taskbroker::config::DeliveryMode;
 use taskbroker::grpc::consumer_service::ConsumerApi;
 use taskbroker::grpc::server::{ServerConfig, serve};
@@ -52,12 +50,7 @@ impl Api {
         secrets: Vec<String>,
     ) -> Api {
         let metrics = Arc::new(Metrics::new());
-        let store_actor = {
-            let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-            StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                StoreActor::new(store, metrics)
-            })
-        };
+        let store_actor = common::start_store_actor(Arc::clone(&store), Arc::clone(&metrics));
         let api = ConsumerApi::new(store_actor, mode, Duration::from_secs(3), metrics);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -31,7 +31,7 @@ const INGEST_DLQ: &str = "ingest-dlq";
 const PARTITIONS: i32 = 4;
 
 struct Harness {
-    _db: TestDb,
+    db: TestDb,
     kafka: MockKafka,
     store: Arc<PostgresStore>,
     store_actor: Addr<StoreActor>,
@@ -41,17 +41,12 @@ impl Harness {
     async fn new() -> Harness {
         let db = TestDb::new().await;
         let store = db.store().await;
-        let store_actor = {
-            let store = Arc::clone(&store);
-            StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                StoreActor::new(store, Arc::new(Metrics::new()))
-            })
-        };
+        let store_actor = common::start_store_actor(Arc::clone(&store), Arc::new(Metrics::new()));
         let kafka = MockKafka::start();
         kafka.create_topic(TOPIC, PARTITIONS);
         kafka.create_topic(INGEST_DLQ, 1);
         Harness {
-            _db: db,
+            db,
             kafka,
             store,
             store_actor,
@@ -308,7 +303,7 @@ async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
         peak = peak.max(total);
         assert!(total <= limit, "{total} rows in the store, limit {limit}");
         if metrics.partitions_paused.get() > 0 {
-            let client = harness._db.client().await;
+            let client = harness.db.client().await;
             client
                 .execute(
                     "DELETE FROM inflight_taskactivations WHERE id IN \
@@ -644,7 +639,7 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
     let stored_while_paused = harness.total().await;
     assert!(stored_while_paused <= 250, "{stored_while_paused} rows");
     // Drain: it resumes and reads the rest without a rejoin.
-    let client = harness._db.client().await;
+    let client = harness.db.client().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while Metrics::count(&metrics.consumer_records, "stored") < 1_000 {
         assert!(

@@ -39,12 +39,7 @@ impl Harness {
         let store = Arc::new(PostgresStore::connect(&config).expect("store"));
         store.migrate().await.expect("migrate");
         let metrics = Arc::new(Metrics::new());
-        let store_actor = {
-            let (store, metrics) = (store.clone(), Arc::clone(&metrics));
-            StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                StoreActor::new(store, metrics)
-            })
-        };
+        let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
         Harness {
             db,
             store,

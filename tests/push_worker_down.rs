@@ -7,10 +7,8 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actix::prelude::*;
 use common::worker::{FakeWorker, Mode};
 use common::{TestDb, rows, wait_until};
-use taskbroker::actors::StoreActor;
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
@@ -55,12 +53,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
     let store = Arc::new(PostgresStore::connect(&db.store_config()).unwrap());
     store.migrate().await.unwrap();
     let metrics = Arc::new(Metrics::new());
-    let store_actor = {
-        let (store, metrics) = (store.clone(), Arc::clone(&metrics));
-        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-            StoreActor::new(store, metrics)
-        })
-    };
+    let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
     let mut worker = FakeWorker::start(Mode::accept()).await;
     let config = PushPipelineConfig {
         fetch_actors: 2,

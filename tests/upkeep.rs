@@ -159,11 +159,7 @@ impl Harness {
     }
 }
 
-fn start_store_actor(store: Arc<PostgresStore>, metrics: Arc<Metrics>) -> Addr<StoreActor> {
-    StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-        StoreActor::new(store, metrics)
-    })
-}
+use common::start_store_actor;
 
 fn seconds_ago(seconds: i64) -> prost_types::Timestamp {
     prost_types::Timestamp {

@@ -208,3 +208,14 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .to_bytes();
     (status, String::from_utf8_lossy(&body).into_owned())
 }
+
+/// A StoreActor on an Arbiter (thread) of its own, as the broker runs it.
+pub fn start_store_actor<S: ActivationStore>(
+    store: Arc<S>,
+    metrics: Arc<taskbroker::metrics::Metrics>,
+) -> actix::Addr<taskbroker::actors::StoreActor> {
+    use actix::Actor as _;
+    taskbroker::actors::StoreActor::start_in_arbiter(&actix::Arbiter::new().handle(), move |_| {
+        taskbroker::actors::StoreActor::new(store, metrics)
+    })
+}

@@ -19,7 +19,9 @@ use taskbroker::actors::store::CountByStatus;
 use taskbroker::broker::Broker;
 use taskbroker::config::{Config, LogFormat, unknown_variables};
 use taskbroker::metrics::Metrics;
-use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
+use taskbroker::store::{
+    ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
+};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -100,24 +102,36 @@ fn init_logging(config: &Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Opens the configured store. Only PostgreSQL exists so far.
+/// Opens the configured store: PostgreSQL when `DATABASE_URL` is set, else
+/// the embedded SQLite store at `SQLITE_PATH`. Logs which one runs.
 fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
-    let Some(url) = &config.database_url else {
-        return Err(
-            "TASKBROKER_DATABASE_URL is not set and this build has no embedded SQLite \
-                    store yet: set TASKBROKER_DATABASE_URL=postgres://user@host:5432/db"
-                .to_owned(),
-        );
+    let store: Arc<dyn ActivationStore> = match &config.database_url {
+        Some(url) => {
+            let store = PostgresStore::connect(&PostgresStoreConfig {
+                url: url.clone(),
+                pool_size: config.db_pool_size,
+                async_commit: config.db_async_commit,
+                ..PostgresStoreConfig::new(url.clone())
+            })
+            .map_err(|err| err.to_string())?;
+            tracing::info!(backend = store.backend(), "store: PostgreSQL");
+            Arc::new(store)
+        }
+        None => {
+            let store = SqliteStore::open(&SqliteStoreConfig {
+                async_commit: config.db_async_commit,
+                ..SqliteStoreConfig::new(config.sqlite_path.clone())
+            })
+            .map_err(|err| err.to_string())?;
+            tracing::info!(
+                backend = store.backend(),
+                path = %config.sqlite_path.display(),
+                "store: embedded SQLite (single node; set TASKBROKER_DATABASE_URL for PostgreSQL)"
+            );
+            Arc::new(store)
+        }
     };
-    let store = PostgresStore::connect(&PostgresStoreConfig {
-        url: url.clone(),
-        pool_size: config.db_pool_size,
-        async_commit: config.db_async_commit,
-        ..PostgresStoreConfig::new(url.clone())
-    })
-    .map_err(|err| err.to_string())?;
-    tracing::info!(backend = store.backend(), "store configured");
-    Ok(Arc::new(store))
+    Ok(store)
 }
 
 async fn migrate(config: &Config) -> Result<(), String> {

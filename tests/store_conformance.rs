@@ -22,7 +22,9 @@ const NO_GRACE: Duration = Duration::ZERO;
 
 type Store = Arc<dyn ActivationStore>;
 
-/// Generates one `#[tokio::test]` per case for each backend.
+/// Generates one `#[tokio::test]` per case for each backend: the same case
+/// body runs on PostgreSQL and on SQLite, each on a database of its own. No
+/// case is skipped for either backend.
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod postgres {
@@ -30,6 +32,16 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     let db = crate::common::TestDb::new().await;
+                    let store: crate::Store = db.store().await;
+                    crate::$case(store).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let db = crate::common::TestSqlite::new();
                     let store: crate::Store = db.store().await;
                     crate::$case(store).await;
                 }

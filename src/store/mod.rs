@@ -1,5 +1,5 @@
 //! The in-flight activation store: one interface of intent-named operations,
-//! implemented by PostgreSQL (`postgres.rs`) and, later, SQLite.
+//! implemented by PostgreSQL (`postgres.rs`) and SQLite (`sqlite.rs`).
 //!
 //! Every transition that a claim could race is *fenced*: it names the row by
 //! id **and** by the `claim_expires_at` the caller saw when it claimed it. Each
@@ -10,9 +10,11 @@
 //! operations take a `limit`.
 
 mod postgres;
+mod sqlite;
 pub mod types;
 
 pub use postgres::{PostgresStore, PostgresStoreConfig};
+pub use sqlite::{SqliteStore, SqliteStoreConfig};
 pub use types::*;
 
 use std::time::Duration;

@@ -11,7 +11,10 @@ use chrono::{DateTime, SubsecRound, Utc};
 use prost::Message;
 use taskbroker::activation::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
-use taskbroker::store::{ActivationStore, InflightActivation, PostgresStore, PostgresStoreConfig};
+use taskbroker::store::{
+    ActivationStore, InflightActivation, PostgresStore, PostgresStoreConfig, SqliteStore,
+    SqliteStoreConfig,
+};
 
 /// Where tests find a PostgreSQL server they may create databases on.
 pub fn admin_url() -> String {
@@ -72,6 +75,43 @@ impl Drop for TestDb {
             });
         })
         .join();
+    }
+}
+
+/// A SQLite database file of one test's own, removed (with its WAL and
+/// shared-memory files) when the value is dropped.
+pub struct TestSqlite {
+    pub path: std::path::PathBuf,
+}
+
+impl TestSqlite {
+    pub fn new() -> TestSqlite {
+        let path = std::env::temp_dir().join(format!(
+            "taskbroker_test_{}.sqlite",
+            uuid::Uuid::new_v4().simple()
+        ));
+        TestSqlite { path }
+    }
+
+    pub fn store_config(&self) -> SqliteStoreConfig {
+        SqliteStoreConfig::new(self.path.clone())
+    }
+
+    /// A migrated SQLite store on this file.
+    pub async fn store(&self) -> Arc<SqliteStore> {
+        let store = SqliteStore::open(&self.store_config()).expect("open SQLite store");
+        store.migrate().await.expect("migrations apply");
+        Arc::new(store)
+    }
+}
+
+impl Drop for TestSqlite {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = self.path.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

@@ -112,14 +112,14 @@ impl SqliteStore {
     /// Opens (creating if needed) the database file and starts the writer
     /// thread. Fails with a clear message when the file cannot be opened.
     pub fn open(config: &SqliteStoreConfig) -> StoreResult<Self> {
-        if let Some(parent) = config.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
-                return Err(StoreError::Config(format!(
-                    "SQLite path {}: directory {} does not exist",
-                    config.path.display(),
-                    parent.display()
-                )));
-            }
+        if let Some(parent) = config.path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !parent.is_dir()
+        {
+            return Err(StoreError::Config(format!(
+                "SQLite path {}: directory {} does not exist",
+                config.path.display(),
+                parent.display()
+            )));
         }
         let connection = open_writer(&config.path, config.busy_timeout)?;
         let (sender, receiver) = mpsc::channel();

@@ -1,5 +1,5 @@
 //! The whole broker (Broker::start, as `taskbroker run` starts it) against
-//! the mock Kafka cluster, real PostgreSQL and real workers on loopback:
+//! the mock Kafka cluster, real PostgreSQL or SQLite and real workers on loopback:
 //! every activation handed out once, completed, and gone after upkeep; the
 //! metrics endpoint shows it.
 
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, http_get, wait_until};
+use common::{Backend, TestStore, http_get, wait_until};
 use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
@@ -21,13 +21,12 @@ use taskbroker::proto::{
     FetchNextTask, GetTaskRequest, SetBatchActivationStatusRequest, SetTaskStatusRequest,
     TaskActivation, TaskActivationStatus,
 };
-use taskbroker::store::ActivationStore;
 
 const TASKS: usize = 2_000;
 
-fn config(kafka: &MockKafka, db: &TestDb, extra: &[(&str, String)]) -> Config {
+fn config(kafka: &MockKafka, db: &TestStore, extra: &[(&str, String)]) -> Config {
     let mut env: HashMap<String, String> = [
-        ("DATABASE_URL", db.url.clone()),
+        db.env(),
         ("KAFKA_BROKERS", kafka.bootstrap()),
         ("KAFKA_TOPIC", "tasks".to_owned()),
         ("GRPC_ADDR", "127.0.0.1:0".to_owned()),
@@ -82,9 +81,13 @@ fn sample(text: &str, series: &str) -> Option<f64> {
         .and_then(|value| value.parse().ok())
 }
 
-#[actix_rt::test]
-async fn push_mode_end_to_end_with_workers_reporting_in_batches() {
-    let db = TestDb::new().await;
+on_both_backends!(
+    push_mode_end_to_end_with_workers_reporting_in_batches,
+    pull_mode_end_to_end_with_ten_workers_fetching_next,
+);
+
+async fn push_mode_end_to_end_with_workers_reporting_in_batches(backend: Backend) {
+    let db = TestStore::new(backend).await;
     let store = db.store().await; // migrated, and for inspecting rows
     let kafka = MockKafka::start();
     kafka.create_topic("tasks", 4);
@@ -172,9 +175,8 @@ async fn push_mode_end_to_end_with_workers_reporting_in_batches() {
     broker.stop().await;
 }
 
-#[actix_rt::test]
-async fn pull_mode_end_to_end_with_ten_workers_fetching_next() {
-    let db = TestDb::new().await;
+async fn pull_mode_end_to_end_with_ten_workers_fetching_next(backend: Backend) {
+    let db = TestStore::new(backend).await;
     let store = db.store().await;
     let kafka = MockKafka::start();
     kafka.create_topic("tasks", 4);

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{TestDb, insert, row, rows};
+use common::{Backend, TestStore, insert, row, rows};
 use prost::Message as _;
 use taskbroker::config::DeliveryMode;
 use taskbroker::grpc::consumer_service::ConsumerApi;
@@ -30,27 +30,31 @@ const GET_TASK: &str = "/sentry_protos.taskbroker.v1.ConsumerService/GetTask";
 const SET_STATUS: &str = "/sentry_protos.taskbroker.v1.ConsumerService/SetTaskStatus";
 
 struct Api {
-    _db: Option<TestDb>,
-    store: Arc<PostgresStore>,
+    _db: Option<TestStore>,
+    store: Arc<dyn ActivationStore>,
     addr: SocketAddr,
     _shutdown: tokio::sync::oneshot::Sender<()>,
 }
 
 impl Api {
     async fn start(mode: DeliveryMode, secrets: Vec<String>) -> Api {
-        let db = TestDb::new().await;
+        Api::on(Backend::Postgres, mode, secrets).await
+    }
+
+    async fn on(backend: Backend, mode: DeliveryMode, secrets: Vec<String>) -> Api {
+        let db = TestStore::new(backend).await;
         let store = db.store().await;
         Self::serve(Some(db), store, mode, secrets).await
     }
 
     async fn serve(
-        db: Option<TestDb>,
-        store: Arc<PostgresStore>,
+        db: Option<TestStore>,
+        store: Arc<dyn ActivationStore>,
         mode: DeliveryMode,
         secrets: Vec<String>,
     ) -> Api {
         let metrics = Arc::new(Metrics::new());
-        let store_actor = common::start_store_actor(Arc::clone(&store), Arc::clone(&metrics));
+        let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
         let api = ConsumerApi::new(store_actor, mode, Duration::from_secs(3), metrics);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -106,6 +110,12 @@ fn signed<T: prost::Message>(message: T, secret: &str, path: &str) -> tonic::Req
 
 // ------------------------------------------------------------ GetTask
 
+on_both_backends!(
+    get_task_hands_out_pending_work_and_not_found_when_none,
+    set_task_status_completes_and_is_idempotent_for_unknown_ids,
+    fetch_next_task_hands_out_the_next_task_or_nothing,
+);
+
 #[actix_rt::test]
 async fn get_task_in_push_mode_is_permission_denied() {
     let api = Api::start(DeliveryMode::Push, vec![]).await;
@@ -118,9 +128,8 @@ async fn get_task_in_push_mode_is_permission_denied() {
     assert_eq!(err.code(), Code::PermissionDenied);
 }
 
-#[actix_rt::test]
-async fn get_task_hands_out_pending_work_and_not_found_when_none() {
-    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+async fn get_task_hands_out_pending_work_and_not_found_when_none(backend: Backend) {
+    let api = Api::on(backend, DeliveryMode::Pull, vec![]).await;
     let mut client = api.client().await;
     let err = client
         .get_task(GetTaskRequest::default())
@@ -186,9 +195,8 @@ async fn set_task_status_rejects_statuses_a_worker_cannot_report() {
     }
 }
 
-#[actix_rt::test]
-async fn set_task_status_completes_and_is_idempotent_for_unknown_ids() {
-    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+async fn set_task_status_completes_and_is_idempotent_for_unknown_ids(backend: Backend) {
+    let api = Api::on(backend, DeliveryMode::Pull, vec![]).await;
     let mut client = api.client().await;
     insert(api.store.as_ref(), &[row("done")]).await;
     client.get_task(GetTaskRequest::default()).await.unwrap();
@@ -227,9 +235,8 @@ async fn retry_report_rewrites_retry_state() {
     assert_eq!((state.max_attempts, state.delay_on_retry), (7, Some(12)));
 }
 
-#[actix_rt::test]
-async fn fetch_next_task_hands_out_the_next_task_or_nothing() {
-    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+async fn fetch_next_task_hands_out_the_next_task_or_nothing(backend: Backend) {
+    let api = Api::on(backend, DeliveryMode::Pull, vec![]).await;
     let mut client = api.client().await;
     insert(api.store.as_ref(), &rows("chain", 2)).await;
     let first = client

@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use common::kafka::{MockKafka, payload};
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, wait_until};
+use common::{Backend, TestStore, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
 use taskbroker::actors::StoreActor;
@@ -23,7 +23,7 @@ use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
-    ActivationStatus, ActivationStore, PostgresStore, PullFilter, StatusUpdate, WorkerStatus,
+    ActivationStatus, ActivationStore, PullFilter, StatusUpdate, WorkerStatus,
 };
 
 const TOPIC: &str = "tasks";
@@ -31,17 +31,21 @@ const INGEST_DLQ: &str = "ingest-dlq";
 const PARTITIONS: i32 = 4;
 
 struct Harness {
-    db: TestDb,
+    db: TestStore,
     kafka: MockKafka,
-    store: Arc<PostgresStore>,
+    store: Arc<dyn ActivationStore>,
     store_actor: Addr<StoreActor>,
 }
 
 impl Harness {
     async fn new() -> Harness {
-        let db = TestDb::new().await;
+        Harness::on(Backend::Postgres).await
+    }
+
+    async fn on(backend: Backend) -> Harness {
+        let db = TestStore::new(backend).await;
         let store = db.store().await;
-        let store_actor = common::start_store_actor(Arc::clone(&store), Arc::new(Metrics::new()));
+        let store_actor = common::start_store_actor(store.clone(), Arc::new(Metrics::new()));
         let kafka = MockKafka::start();
         kafka.create_topic(TOPIC, PARTITIONS);
         kafka.create_topic(INGEST_DLQ, 1);
@@ -116,9 +120,8 @@ fn valid_payloads(prefix: &str, n: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
-#[actix_rt::test]
-async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end() {
-    let harness = Harness::new().await;
+async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end(backend: Backend) {
+    let harness = Harness::on(backend).await;
     harness
         .kafka
         .produce(TOPIC, &valid_payloads("bulk", 10_000))
@@ -152,9 +155,8 @@ async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end() {
     assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
 }
 
-#[actix_rt::test]
-async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates() {
-    let harness = Harness::new().await;
+async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates(backend: Backend) {
+    let harness = Harness::on(backend).await;
     harness
         .kafka
         .produce(TOPIC, &valid_payloads("crash", 500))
@@ -186,6 +188,12 @@ async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates() {
     assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 100);
     assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 400);
 }
+
+on_both_backends!(
+    every_record_is_stored_once_and_offsets_are_committed_to_the_end,
+    consumer_dying_between_insert_and_commit_rereads_without_duplicates,
+    kafka_to_workers_end_to_end,
+);
 
 #[actix_rt::test]
 async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
@@ -460,9 +468,8 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
     }
 }
 
-#[actix_rt::test]
-async fn kafka_to_workers_end_to_end() {
-    let harness = Harness::new().await;
+async fn kafka_to_workers_end_to_end(backend: Backend) {
+    let harness = Harness::on(backend).await;
     let metrics = Arc::new(Metrics::new());
     let workers = [
         FakeWorker::start(Mode::accept()).await,

@@ -1,4 +1,5 @@
-//! Push delivery end to end: StoreActor on real PostgreSQL, FetchActors,
+//! Push delivery end to end: StoreActor on real PostgreSQL (and SQLite for
+//! the cases `on_both_backends!` names), FetchActors,
 //! the PushPoolActor, and fake workers that are real tonic servers on
 //! loopback.
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use chrono::{DateTime, Utc};
 use common::worker::{DemoWorker, FakeWorker, Mode};
-use common::{TestDb, rows, wait_until};
+use common::{Backend, TestStore, rows, wait_until};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::{PushPoolConfig, StopPushPool};
@@ -19,25 +20,32 @@ use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
-use taskbroker::store::{ActivationStatus, ActivationStore, BucketRange, PostgresStore};
+use taskbroker::store::{ActivationStatus, ActivationStore, BucketRange};
+
+on_both_backends!(
+    happy_path_pushes_every_activation_exactly_once,
+    saturated_pool_releases_each_unsubmitted_batch_in_one_statement,
+    late_push_success_after_a_new_claim_is_stale,
+);
 
 /// Margin the derived lease adds for the mark-processing write.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
 struct Harness {
-    db: TestDb,
-    store: Arc<PostgresStore>,
+    db: TestStore,
+    store: Arc<dyn ActivationStore>,
     store_actor: Addr<StoreActor>,
     metrics: Arc<Metrics>,
 }
 
 impl Harness {
     async fn new() -> Harness {
-        let db = TestDb::new().await;
-        let mut config = db.store_config();
-        config.pool_size = 16;
-        let store = Arc::new(PostgresStore::connect(&config).expect("store"));
-        store.migrate().await.expect("migrate");
+        Harness::on(Backend::Postgres).await
+    }
+
+    async fn on(backend: Backend) -> Harness {
+        let db = TestStore::new(backend).await;
+        let store = db.store().await;
         let metrics = Arc::new(Metrics::new());
         let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
         Harness {
@@ -78,30 +86,11 @@ impl Harness {
 
     /// Claimed rows: (id, claim_expires_at).
     async fn claimed(&self) -> Vec<(String, DateTime<Utc>)> {
-        let client = self.db.client().await;
-        client
-            .query(
-                "SELECT id, claim_expires_at FROM inflight_taskactivations \
-                 WHERE status = 'Claimed'",
-                &[],
-            )
-            .await
-            .expect("read claimed rows")
-            .iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect()
+        self.db.claimed().await
     }
 
     async fn attempts_consumed(&self) -> i64 {
-        let client = self.db.client().await;
-        client
-            .query_one(
-                "SELECT COALESCE(sum(processing_attempts), 0)::int8 FROM inflight_taskactivations",
-                &[],
-            )
-            .await
-            .expect("sum attempts")
-            .get(0)
+        self.db.attempts_consumed().await
     }
 
     fn pushes(&self, result: &str) -> u64 {
@@ -143,9 +132,8 @@ fn derived_lease(config: &PushPipelineConfig) -> Duration {
     config.fetch.queue_timeout + push.push_timeout * waits + push.push_timeout + LEASE_MARGIN
 }
 
-#[actix_rt::test]
-async fn happy_path_pushes_every_activation_exactly_once() {
-    let harness = Harness::new().await;
+async fn happy_path_pushes_every_activation_exactly_once(backend: Backend) {
+    let harness = Harness::on(backend).await;
     let mut workers = Vec::new();
     for _ in 0..8 {
         workers.push(FakeWorker::start(Mode::accept()).await);
@@ -188,9 +176,8 @@ async fn happy_path_pushes_every_activation_exactly_once() {
     assert_eq!(harness.attempts_consumed().await, 0);
 }
 
-#[actix_rt::test]
-async fn saturated_pool_releases_each_unsubmitted_batch_in_one_statement() {
-    let harness = Harness::new().await;
+async fn saturated_pool_releases_each_unsubmitted_batch_in_one_statement(backend: Backend) {
+    let harness = Harness::on(backend).await;
     let slow = FakeWorker::start(Mode::Accept {
         delay: Duration::from_millis(100),
     })
@@ -279,9 +266,8 @@ async fn saturated_pool_releases_each_unsubmitted_batch_in_one_statement() {
     );
 }
 
-#[actix_rt::test]
-async fn late_push_success_after_a_new_claim_is_stale() {
-    let harness = Harness::new().await;
+async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
+    let harness = Harness::on(backend).await;
     harness.insert("fence", 1).await;
     let claim = |lease| ClaimBatch {
         buckets: BucketRange::ALL,

@@ -46,7 +46,7 @@ impl Harness {
         let db = TestDb::new().await;
         let store = db.store().await;
         let metrics = Arc::new(Metrics::new());
-        let store_actor = start_store_actor(Arc::clone(&store), Arc::clone(&metrics));
+        let store_actor = start_store_actor(store.clone(), Arc::clone(&metrics));
         let kafka = MockKafka::start();
         kafka.create_topic(RETRY_TOPIC, 1);
         kafka.create_topic(DLQ_TOPIC, 1);

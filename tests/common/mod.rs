@@ -115,6 +115,145 @@ impl Drop for TestSqlite {
     }
 }
 
+/// Which store a backend-parameterised test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+/// A store of one test's own on either backend, with the inspection
+/// queries tests need beyond the store interface.
+pub enum TestStore {
+    Postgres(TestDb),
+    Sqlite(TestSqlite),
+}
+
+impl TestStore {
+    pub async fn new(backend: Backend) -> TestStore {
+        match backend {
+            Backend::Postgres => TestStore::Postgres(TestDb::new().await),
+            Backend::Sqlite => TestStore::Sqlite(TestSqlite::new()),
+        }
+    }
+
+    /// A migrated store on this database.
+    pub async fn store(&self) -> Arc<dyn ActivationStore> {
+        match self {
+            TestStore::Postgres(db) => {
+                let mut config = db.store_config();
+                config.pool_size = 16;
+                let store = PostgresStore::connect(&config).expect("store config");
+                store.migrate().await.expect("migrations apply");
+                Arc::new(store)
+            }
+            TestStore::Sqlite(db) => db.store().await,
+        }
+    }
+
+    /// The `TASKBROKER_*` variable (without prefix) that selects this store.
+    pub fn env(&self) -> (&'static str, String) {
+        match self {
+            TestStore::Postgres(db) => ("DATABASE_URL", db.url.clone()),
+            TestStore::Sqlite(db) => ("SQLITE_PATH", db.path.display().to_string()),
+        }
+    }
+
+    /// Claimed rows: (id, claim_expires_at).
+    pub async fn claimed(&self) -> Vec<(String, DateTime<Utc>)> {
+        match self {
+            TestStore::Postgres(db) => db
+                .client()
+                .await
+                .query(
+                    "SELECT id, claim_expires_at FROM inflight_taskactivations \
+                     WHERE status = 'Claimed'",
+                    &[],
+                )
+                .await
+                .expect("read claimed rows")
+                .iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect(),
+            TestStore::Sqlite(db) => db.query(
+                "SELECT id, claim_expires_at FROM inflight_taskactivations \
+                 WHERE status = 'Claimed'",
+                |row| {
+                    let micros: i64 = row.get(1)?;
+                    Ok((
+                        row.get(0)?,
+                        DateTime::from_timestamp_micros(micros).expect("valid timestamp"),
+                    ))
+                },
+            ),
+        }
+    }
+
+    /// A plain PostgreSQL client, for tests that only run on PostgreSQL.
+    pub async fn client(&self) -> tokio_postgres::Client {
+        match self {
+            TestStore::Postgres(db) => db.client().await,
+            TestStore::Sqlite(_) => panic!("this test inspects PostgreSQL only"),
+        }
+    }
+
+    /// Attempts consumed over all rows.
+    pub async fn attempts_consumed(&self) -> i64 {
+        const SQL: &str = "SELECT CAST(COALESCE(sum(processing_attempts), 0) AS BIGINT) FROM inflight_taskactivations";
+        match self {
+            TestStore::Postgres(db) => db
+                .client()
+                .await
+                .query_one(SQL, &[])
+                .await
+                .expect("sum attempts")
+                .get(0),
+            TestStore::Sqlite(db) => db.query(SQL, |row| row.get(0))[0],
+        }
+    }
+}
+
+impl TestSqlite {
+    /// Runs a read-only query on a connection of its own.
+    pub fn query<T>(
+        &self,
+        sql: &str,
+        map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Vec<T> {
+        let connection = rusqlite::Connection::open_with_flags(
+            &self.path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .expect("open the test SQLite file");
+        let mut statement = connection.prepare(sql).expect("prepare");
+        statement
+            .query_map([], map)
+            .expect("query")
+            .collect::<Result<Vec<T>, _>>()
+            .expect("rows")
+    }
+}
+
+/// Runs each named `async fn case(backend: Backend)` as two tests,
+/// `case::postgres` and `case::sqlite`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($case:ident),* $(,)?) => {
+        $(
+            mod $case {
+                #[actix_rt::test]
+                async fn postgres() {
+                    super::$case(super::common::Backend::Postgres).await
+                }
+                #[actix_rt::test]
+                async fn sqlite() {
+                    super::$case(super::common::Backend::Sqlite).await
+                }
+            }
+        )*
+    };
+}
+
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -250,8 +389,8 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 }
 
 /// A StoreActor on an Arbiter (thread) of its own, as the broker runs it.
-pub fn start_store_actor<S: ActivationStore>(
-    store: Arc<S>,
+pub fn start_store_actor(
+    store: Arc<dyn ActivationStore>,
     metrics: Arc<taskbroker::metrics::Metrics>,
 ) -> actix::Addr<taskbroker::actors::StoreActor> {
     use actix::Actor as _;

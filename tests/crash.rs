@@ -1,0 +1,339 @@
+//! The real `taskbroker` binary on the embedded SQLite store, killed with
+//! SIGKILL in the middle of a run and started again on the same file:
+//! nothing is lost, nothing runs twice beyond what at-least-once allows,
+//! and every claim the dead process held returns to Pending through its
+//! lease (no other path may touch it, since its holder is gone).
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use common::kafka::MockKafka;
+use common::worker::{DemoWorker, FakeWorker, Mode};
+use common::{TestSqlite, http_get};
+use prost::Message as _;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::proto::{
+    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
+};
+
+const TASKS: usize = 2_000;
+const INSERT_BATCH_SIZE: usize = 100;
+const LEASE_MS: u64 = 2_000;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+struct Ports {
+    grpc: u16,
+    metrics: u16,
+}
+
+fn start_broker(db: &TestSqlite, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_taskbroker"))
+        .arg("run")
+        .env_remove("TASKBROKER_DATABASE_URL")
+        .env("TASKBROKER_SQLITE_PATH", &db.path)
+        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
+        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+        .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
+        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{}", ports.grpc))
+        .env(
+            "TASKBROKER_METRICS_ADDR",
+            format!("127.0.0.1:{}", ports.metrics),
+        )
+        // A slow pool behind eager fetchers: claims are always held.
+        .env("TASKBROKER_PUSH_CONCURRENCY", "4")
+        .env("TASKBROKER_FETCH_BATCH_SIZE", "32")
+        .env("TASKBROKER_PUSH_QUEUE_TIMEOUT_MS", "200")
+        .env("TASKBROKER_PUSH_TIMEOUT_MS", "1000")
+        .env("TASKBROKER_CLAIM_LEASE_MS", LEASE_MS.to_string())
+        .env(
+            "TASKBROKER_INSERT_BATCH_SIZE",
+            INSERT_BATCH_SIZE.to_string(),
+        )
+        .env("TASKBROKER_UPKEEP_INTERVAL_MS", "100")
+        .env("TASKBROKER_RESTART_GRACE_SEC", "0")
+        .env("TASKBROKER_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the broker binary")
+}
+
+/// Waits for the process and returns what it wrote to stderr.
+async fn stderr_of(child: Child) -> String {
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .expect("broker output");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Claimed rows as (id, claim_expires_at), read from the file.
+fn claimed(db: &TestSqlite) -> HashMap<String, DateTime<Utc>> {
+    db.query(
+        "SELECT id, claim_expires_at FROM inflight_taskactivations WHERE status = 'Claimed'",
+        |row| {
+            let micros: i64 = row.get(1)?;
+            Ok((
+                row.get(0)?,
+                DateTime::from_timestamp_micros(micros).expect("timestamp"),
+            ))
+        },
+    )
+    .into_iter()
+    .collect()
+}
+
+/// Every row as id → (status, claim_expires_at).
+fn rows(db: &TestSqlite) -> HashMap<String, (String, Option<DateTime<Utc>>)> {
+    db.query(
+        "SELECT id, status, claim_expires_at FROM inflight_taskactivations",
+        |row| {
+            let micros: Option<i64> = row.get(2)?;
+            Ok((
+                row.get(0)?,
+                (
+                    row.get(1)?,
+                    micros.map(|m| DateTime::from_timestamp_micros(m).expect("timestamp")),
+                ),
+            ))
+        },
+    )
+    .into_iter()
+    .collect()
+}
+
+fn count(db: &TestSqlite, status: &str) -> usize {
+    db.query(
+        &format!("SELECT count(*) FROM inflight_taskactivations WHERE status = '{status}'"),
+        |row| row.get::<_, i64>(0),
+    )[0] as usize
+}
+
+fn total(db: &TestSqlite) -> usize {
+    db.query("SELECT count(*) FROM inflight_taskactivations", |row| {
+        row.get::<_, i64>(0)
+    })[0] as usize
+}
+
+/// The workers' reporting side: every delivery the worker accepted is
+/// reported COMPLETE, re-sent until a broker acknowledges it. Returns how
+/// many deliveries of each id have been acknowledged.
+async fn report_accepted(
+    grpc_port: u16,
+    worker: &DemoWorker,
+    acknowledged: &mut HashMap<String, usize>,
+) {
+    let Ok(mut client) =
+        ConsumerServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await
+    else {
+        return;
+    };
+    let mut deliveries: HashMap<String, usize> = HashMap::new();
+    for id in worker.seen.accepted() {
+        *deliveries.entry(id).or_default() += 1;
+    }
+    let due: Vec<(String, usize)> = deliveries
+        .into_iter()
+        .filter(|(id, n)| acknowledged.get(id).copied().unwrap_or(0) < *n)
+        .collect();
+    for chunk in due.chunks(200) {
+        let updates = chunk
+            .iter()
+            .map(|(id, _)| SetTaskStatusRequest {
+                id: id.clone(),
+                status: TaskActivationStatus::Complete as i32,
+                ..Default::default()
+            })
+            .collect();
+        if client
+            .set_batch_activation_status(SetBatchActivationStatusRequest { updates })
+            .await
+            .is_ok()
+        {
+            for (id, n) in chunk {
+                acknowledged.insert(id.clone(), *n);
+            }
+        }
+    }
+}
+
+#[actix_rt::test]
+async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease() {
+    let db = TestSqlite::new();
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 4);
+    let worker = FakeWorker::start(Mode::Accept {
+        delay: Duration::from_millis(5),
+    })
+    .await;
+    let ids: HashSet<String> = (0..TASKS).map(|i| format!("crash-{i}")).collect();
+    let payloads: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|id| {
+            TaskActivation {
+                id: id.clone(),
+                namespace: "crash".to_owned(),
+                taskname: "tests.crash".to_owned(),
+                received_at: Some(prost_types::Timestamp {
+                    seconds: Utc::now().timestamp(),
+                    nanos: 0,
+                }),
+                processing_deadline_duration: 120,
+                application: Some("app".to_owned()),
+                ..Default::default()
+            }
+            .encode_to_vec()
+        })
+        .collect();
+    kafka.produce("tasks", &payloads).await;
+    let ports = Ports {
+        grpc: free_port(),
+        metrics: free_port(),
+    };
+
+    // First run: work until a good part is done, reporting as we go.
+    let mut first = start_broker(&db, &kafka, &worker, &ports);
+    let mut acknowledged: HashMap<String, usize> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while worker.seen.accepted().len() < TASKS / 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "first run made no progress"
+        );
+        if let Ok(Some(exit)) = first.try_wait() {
+            panic!("the broker exited ({exit}):\n{}", stderr_of(first).await);
+        }
+        report_accepted(ports.grpc, &worker, &mut acknowledged).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.kill().expect("SIGKILL the broker");
+    let first_stderr = stderr_of(first).await;
+    let killed_at = Utc::now();
+
+    // What the dead process left behind.
+    let stranded = claimed(&db);
+    let processing_at_kill = count(&db, "Processing");
+    assert!(
+        !stranded.is_empty(),
+        "the kill should have caught claims held by fetchers and the pool"
+    );
+
+    // Second run on the same file.
+    let second = start_broker(&db, &kafka, &worker, &ports);
+    let mut returned: HashSet<String> = HashSet::new();
+    let mut reported_while_claimed: HashSet<String> = HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        // A stranded claim may only return to Pending (and be claimed or
+        // pushed again) once its lease has run out. Before that, the only
+        // change allowed is the worker's own report: the push may have
+        // reached the worker just before the kill.
+        let rows = rows(&db);
+        let now = Utc::now();
+        for (id, expiry) in &stranded {
+            if returned.contains(id) {
+                continue;
+            }
+            match rows.get(id) {
+                Some((status, claim)) if status == "Claimed" && claim.as_ref() == Some(expiry) => {}
+                Some((status, _)) if status == "Complete" => {
+                    returned.insert(id.clone());
+                    reported_while_claimed.insert(id.clone());
+                }
+                None => {
+                    returned.insert(id.clone());
+                    reported_while_claimed.insert(id.clone());
+                }
+                Some((status, _)) => {
+                    assert!(
+                        now >= *expiry,
+                        "claim {id} became {status} before its lease ended at {expiry} (now {now})"
+                    );
+                    returned.insert(id.clone());
+                }
+            }
+        }
+        report_accepted(ports.grpc, &worker, &mut acknowledged).await;
+        let done = ids.iter().all(|id| acknowledged.contains_key(id));
+        if done && returned.len() == stranded.len() && total(&db) == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "after restart: {} of {TASKS} acknowledged, {} of {} stranded claims returned, {} rows left",
+            acknowledged.len(),
+            returned.len(),
+            stranded.len(),
+            total(&db)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(Utc::now() >= killed_at);
+
+    // The restarted broker released them as expired leases.
+    let (status, metrics) = http_get(
+        format!("127.0.0.1:{}", ports.metrics).parse().unwrap(),
+        "/metrics",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let released_by_lease = metrics
+        .lines()
+        .find(|line| line.starts_with("taskbroker_claims_released_total{reason=\"lease_expired\"}"))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    let by_lease = stranded.len() - reported_while_claimed.len();
+    assert!(
+        released_by_lease >= by_lease as f64,
+        "{released_by_lease} leases expired; {} claims were stranded, {} of them \
+         completed by the worker's report",
+        stranded.len(),
+        reported_while_claimed.len()
+    );
+
+    // Nothing lost: every task ran and was acknowledged. Duplicates only
+    // where at-least-once allows: a row Claimed at the kill may already
+    // have reached the worker (push done, mark-processing not written), a
+    // Processing row's report may not have been acknowledged, and records
+    // of the last uncommitted insert batch are read again.
+    let deliveries = worker.seen.accepted();
+    let delivered: HashSet<&String> = deliveries.iter().collect();
+    assert_eq!(delivered.len(), TASKS, "every task reached the worker");
+    let duplicates = deliveries.len() - TASKS;
+    let allowed = stranded.len() + processing_at_kill + INSERT_BATCH_SIZE;
+    assert!(
+        duplicates <= allowed,
+        "{duplicates} duplicate deliveries; at-least-once allows {allowed}"
+    );
+
+    terminate(&second);
+    let second_stderr = stderr_of(second).await;
+    for (run, stderr) in [("first", &first_stderr), ("second", &second_stderr)] {
+        assert!(
+            !stderr.contains("panicked"),
+            "{run} run panicked:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("ERROR"),
+            "{run} run logged an error:\n{stderr}"
+        );
+    }
+}
+
+/// SIGTERM via kill(1): the orderly stop.
+fn terminate(child: &Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+}

@@ -1,13 +1,17 @@
-//! The push hot path on PostgreSQL, per task: claim a batch of Pending rows,
-//! mark them Processing, complete them — one batched store call each, as
-//! FetchActor, PushPoolActor and the status RPC issue them.
+//! The push hot path, per task: claim a batch of Pending rows, mark them
+//! Processing, complete them — one batched store call each, as FetchActor,
+//! PushPoolActor and the status RPC issue them — on each backend:
 //!
-//! Runs against a throwaway database `taskbroker_bench_<uuid>` on the server
-//! named by `TASKBROKER_TEST_DATABASE_URL` (default: local `postgres`).
+//! - PostgreSQL: a throwaway database `taskbroker_bench_<uuid>` on the
+//!   server named by `TASKBROKER_TEST_DATABASE_URL` (default: local
+//!   `postgres`);
+//! - SQLite: a throwaway file in the temporary directory.
+//!
 //! `TASKBROKER_BENCH_ASYNC_COMMIT=1` measures the opt-in asynchronous
 //! commit for replayable transitions instead of durable commits.
 //!
-//! `cargo bench --bench store`
+//! `cargo bench --bench store` (both), `cargo bench --bench store -- sqlite`
+//! (one).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -21,7 +25,7 @@ use taskbroker::activation::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
     ActivationStore, BucketRange, ClaimToken, InflightActivation, PostgresStore,
-    PostgresStoreConfig, StatusUpdate, WorkerStatus,
+    PostgresStoreConfig, SqliteStore, SqliteStoreConfig, StatusUpdate, WorkerStatus,
 };
 
 const BATCH_SIZES: [usize; 4] = [1, 16, 64, 256];
@@ -137,7 +141,7 @@ fn pending_rows(n: usize) -> Vec<InflightActivation> {
         .collect()
 }
 
-async fn fill(store: &PostgresStore, n: usize) {
+async fn fill(store: &dyn ActivationStore, n: usize) {
     let mut left = n;
     while left > 0 {
         let chunk = left.min(INSERT_CHUNK);
@@ -150,7 +154,7 @@ async fn fill(store: &PostgresStore, n: usize) {
     }
 }
 
-async fn remove_finished(store: &PostgresStore) {
+async fn remove_finished(store: &dyn ActivationStore) {
     while store
         .remove_completed(10_000)
         .await
@@ -160,7 +164,7 @@ async fn remove_finished(store: &PostgresStore) {
 }
 
 /// One pass of the hot path for `batch` tasks: three batched store calls.
-async fn claim_push_complete(store: &PostgresStore, batch: usize) {
+async fn claim_push_complete(store: &dyn ActivationStore, batch: usize) {
     let claimed = store
         .claim_for_push(BucketRange::ALL, batch, LEASE)
         .await
@@ -184,25 +188,67 @@ async fn claim_push_complete(store: &PostgresStore, batch: usize) {
     black_box(outcome);
 }
 
-fn claim_mark_processing_complete(c: &mut Criterion) {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+fn async_commit() -> bool {
+    std::env::var("TASKBROKER_BENCH_ASYNC_COMMIT").is_ok_and(|v| v == "1")
+}
+
+fn group_name(backend: &str) -> String {
+    if async_commit() {
+        format!("{backend}_claim_processing_complete_async_commit")
+    } else {
+        format!("{backend}_claim_processing_complete")
+    }
+}
+
+fn postgres(c: &mut Criterion) {
+    let runtime = runtime();
     let db = runtime.block_on(BenchDb::create());
     let mut config = PostgresStoreConfig::new(db.url.clone());
-    config.async_commit = std::env::var("TASKBROKER_BENCH_ASYNC_COMMIT").is_ok_and(|v| v == "1");
+    config.async_commit = async_commit();
     let store = PostgresStore::connect(&config).expect("store config");
     runtime
         .block_on(store.migrate())
         .expect("migrate bench database");
+    bench_backend(c, &runtime, &group_name("postgres"), &store);
+    drop(store);
+    drop(db);
+}
 
-    let group_name = if config.async_commit {
-        "postgres_claim_processing_complete_async_commit"
-    } else {
-        "postgres_claim_processing_complete"
-    };
-    let mut group = c.benchmark_group(group_name);
+fn sqlite(c: &mut Criterion) {
+    let runtime = runtime();
+    let path = std::env::temp_dir().join(format!(
+        "taskbroker_bench_{}.sqlite",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let mut config = SqliteStoreConfig::new(path.clone());
+    config.async_commit = async_commit();
+    let store = SqliteStore::open(&config).expect("open bench SQLite file");
+    runtime
+        .block_on(store.migrate())
+        .expect("migrate bench database");
+    bench_backend(c, &runtime, &group_name("sqlite"), &store);
+    drop(store);
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn bench_backend(
+    c: &mut Criterion,
+    runtime: &tokio::runtime::Runtime,
+    name: &str,
+    store: &dyn ActivationStore,
+) {
+    let mut group = c.benchmark_group(name);
     group
         .sample_size(10)
         // Every sample runs the same number of iterations, so the largest
@@ -213,26 +259,21 @@ fn claim_mark_processing_complete(c: &mut Criterion) {
     for batch in BATCH_SIZES {
         group.throughput(Throughput::Elements(batch as u64));
         group.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, &batch| {
-            b.to_async(&runtime).iter_custom(|iters| {
-                let store = &store;
-                async move {
-                    let rows = usize::try_from(iters).expect("iteration count") * batch;
-                    fill(store, rows).await;
-                    let started = Instant::now();
-                    for _ in 0..iters {
-                        claim_push_complete(store, batch).await;
-                    }
-                    let elapsed = started.elapsed();
-                    remove_finished(store).await;
-                    elapsed
+            b.to_async(runtime).iter_custom(|iters| async move {
+                let rows = usize::try_from(iters).expect("iteration count") * batch;
+                fill(store, rows).await;
+                let started = Instant::now();
+                for _ in 0..iters {
+                    claim_push_complete(store, batch).await;
                 }
+                let elapsed = started.elapsed();
+                remove_finished(store).await;
+                elapsed
             });
         });
     }
     group.finish();
-    drop(store);
-    drop(db);
 }
 
-criterion_group!(benches, claim_mark_processing_complete);
+criterion_group!(benches, postgres, sqlite);
 criterion_main!(benches);

@@ -120,6 +120,7 @@ fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
         None => {
             let store = SqliteStore::open(&SqliteStoreConfig {
                 async_commit: config.db_async_commit,
+                readers: config.db_pool_size.min(8),
                 ..SqliteStoreConfig::new(config.sqlite_path.clone())
             })
             .map_err(|err| err.to_string())?;

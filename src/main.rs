@@ -15,9 +15,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use std::time::Duration;
 use taskbroker::actors::store::CountByStatus;
 use taskbroker::broker::Broker;
-use taskbroker::config::{Config, LogFormat, unknown_variables};
+
+use taskbroker::config::{Config, DeliveryMode, LogFormat, unknown_variables};
+use taskbroker::demo::run::DemoOptions;
+use taskbroker::demo::worker::{DemoWorker, Mode};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{
     ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
@@ -47,13 +51,58 @@ enum Command {
         #[arg(long)]
         markdown: bool,
     },
+    /// Run the whole broker on an in-process mock Kafka cluster and an
+    /// embedded store, with demo workers and a realistic task mix; exits 1
+    /// if a task misses the outcome its kind should reach.
+    Demo(DemoArgs),
+    /// Serve a demo WorkerService: accept pushed tasks, run them, report
+    /// the outcome to the broker that pushed them.
+    DemoWorker {
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0:50052")]
+        listen: std::net::SocketAddr,
+        /// How long each task "runs" before its result is reported.
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+    },
+    /// Exit 0 if this machine's broker answers /health on
+    /// TASKBROKER_METRICS_ADDR, else 1 (for container health checks).
+    Healthcheck,
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// Tasks to produce.
+    #[arg(long, default_value_t = 10_000)]
+    tasks: usize,
+    /// Demo workers (push: WorkerService servers; pull: GetTask clients).
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Delivery mode.
+    #[arg(long, default_value = "push", value_parser = ["push", "pull"])]
+    mode: String,
+    /// Tasks produced per second (default: as fast as possible).
+    #[arg(long)]
+    rate: Option<u64>,
+    /// Keep running after the summary, for browsing /metrics.
+    #[arg(long)]
+    hold: bool,
+    /// Give up after this many seconds (default: 60 + 1 s per 500 tasks).
+    #[arg(long)]
+    timeout_sec: Option<u64>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::Config { markdown: true }) = cli.command {
-        print!("{}", taskbroker::config::reference_markdown());
-        return ExitCode::SUCCESS;
+    match cli.command {
+        Some(Command::Config { markdown: true }) => {
+            print!("{}", taskbroker::config::reference_markdown());
+            return ExitCode::SUCCESS;
+        }
+        Some(Command::Demo(args)) => return demo(args),
+        Some(Command::DemoWorker { listen, delay_ms }) => return demo_worker(listen, delay_ms),
+        Some(Command::Healthcheck) => return healthcheck(),
+        _ => {}
     }
     let config = match Config::from_env() {
         Ok(config) => config,
@@ -76,6 +125,9 @@ fn main() -> ExitCode {
         }
         Command::Migrate => actix_rt::System::new().block_on(migrate(&config)),
         Command::Run => actix_rt::System::new().block_on(run(config)),
+        Command::Demo(_) | Command::DemoWorker { .. } | Command::Healthcheck => {
+            unreachable!("handled before the configuration is read")
+        }
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -178,6 +230,113 @@ async fn run(config: Config) -> Result<(), String> {
              return through their lease",
             config.shutdown_timeout.as_millis()
         )),
+    }
+}
+
+fn demo(args: DemoArgs) -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .try_init();
+    let mode = if args.mode == "pull" {
+        DeliveryMode::Pull
+    } else {
+        DeliveryMode::Push
+    };
+    let options = DemoOptions {
+        tasks: args.tasks,
+        workers: args.workers,
+        mode,
+        rate: args.rate,
+        hold: args.hold,
+        timeout: Duration::from_secs(
+            args.timeout_sec
+                .unwrap_or(60 + (args.tasks as u64).div_ceil(500)),
+        ),
+    };
+    match actix_rt::System::new().block_on(taskbroker::demo::run::run(options)) {
+        Ok(outcome) if outcome.passed => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("taskbroker demo: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn demo_worker(listen: std::net::SocketAddr, delay_ms: u64) -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .try_init();
+    let secrets: Vec<String> = std::env::var("TASKBROKER_GRPC_SHARED_SECRETS")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|secret| !secret.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("taskbroker demo-worker: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let mode = Mode::Execute {
+            delay: Duration::from_millis(delay_ms),
+        };
+        match DemoWorker::start_on(listen, mode, secrets).await {
+            Ok(worker) => {
+                tracing::info!(addr = %worker.addr, "demo worker serving");
+                wait_for_shutdown_signal().await;
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("taskbroker demo-worker: cannot listen on {listen}: {err}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// GET /health on the metrics port over loopback, with plain HTTP/1.0 so
+/// the container image needs no curl.
+fn healthcheck() -> ExitCode {
+    use std::io::{Read, Write};
+    let addr = std::env::var("TASKBROKER_METRICS_ADDR").unwrap_or_else(|_| "0.0.0.0:9090".into());
+    let port = match addr.parse::<std::net::SocketAddr>() {
+        Ok(addr) => addr.port(),
+        Err(err) => {
+            eprintln!("TASKBROKER_METRICS_ADDR={addr}: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let target = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let healthy = (|| -> std::io::Result<bool> {
+        let mut stream = std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2))?;
+        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+        stream.write_all(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut response = Vec::new();
+        stream.take(4096).read_to_end(&mut response)?;
+        Ok(response.starts_with(b"HTTP/1.1 200") || response.starts_with(b"HTTP/1.0 200"))
+    })();
+    match healthy {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("unhealthy: /health on {target} did not answer 200");
+            ExitCode::FAILURE
+        }
+        Err(err) => {
+            eprintln!("unhealthy: {target}: {err}");
+            ExitCode::FAILURE
+        }
     }
 }
 

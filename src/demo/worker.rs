@@ -9,10 +9,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use super::scenario::{Ledger, report_for};
+use crate::grpc::signing::{SIGNATURE_METADATA, sign};
 use crate::grpc::verify::VerifySignatureLayer;
+use crate::proto::consumer_service_client::ConsumerServiceClient;
 use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
-use crate::proto::{PushTaskRequest, PushTaskResponse};
+use crate::proto::{
+    PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
+};
+use crate::store::WorkerStatus;
+use std::collections::HashMap;
 use tokio::sync::oneshot;
+use tonic::transport::Channel;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
@@ -30,6 +38,10 @@ pub enum Mode {
     Hang,
     /// Never answers the first push of an id; accepts later ones.
     HangOnFirstDelivery,
+    /// OK at once, then "runs" the task for `delay` and reports the outcome
+    /// its demo kind calls for ([`report_for`]) to the push's callback
+    /// address, as a real worker does.
+    Execute { delay: Duration },
 }
 
 impl Mode {
@@ -68,6 +80,87 @@ impl Seen {
 struct Handler {
     mode: Arc<Mutex<Mode>>,
     seen: Arc<Seen>,
+    reporter: Arc<Reporter>,
+}
+
+/// Reports task outcomes back to the broker that pushed them.
+struct Reporter {
+    /// Requests are signed with the first, when there is one.
+    secrets: Vec<String>,
+    clients: Mutex<HashMap<String, ConsumerServiceClient<Channel>>>,
+    ledger: Option<Arc<Ledger>>,
+}
+
+const SET_TASK_STATUS_PATH: &str = "/sentry_protos.taskbroker.v1.ConsumerService/SetTaskStatus";
+
+impl Reporter {
+    fn client(&self, callback_url: &str) -> Result<ConsumerServiceClient<Channel>, String> {
+        let mut clients = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(client) = clients.get(callback_url) {
+            return Ok(client.clone());
+        }
+        let url = if callback_url.contains("://") {
+            callback_url.to_owned()
+        } else {
+            format!("http://{callback_url}")
+        };
+        let channel = Channel::from_shared(url)
+            .map_err(|err| format!("bad callback address {callback_url}: {err}"))?
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+            .connect_lazy();
+        let client = ConsumerServiceClient::new(channel);
+        clients.insert(callback_url.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    /// Sends the report, re-sending it while the broker cannot take it (a
+    /// worker runtime does the same), for up to about a minute.
+    async fn report(&self, callback_url: &str, task: &TaskActivation, status: WorkerStatus) {
+        let Ok(mut client) = self.client(callback_url) else {
+            return;
+        };
+        let message = SetTaskStatusRequest {
+            id: task.id.clone(),
+            status: match status {
+                WorkerStatus::Complete => TaskActivationStatus::Complete,
+                WorkerStatus::Retry => TaskActivationStatus::Retry,
+                WorkerStatus::Failure => TaskActivationStatus::Failure,
+            } as i32,
+            ..Default::default()
+        };
+        let mut backoff = Duration::from_millis(50);
+        for _ in 0..60 {
+            let mut request = Request::new(message.clone());
+            if let Some(secret) = self.secrets.first() {
+                let signature = sign(
+                    secret,
+                    SET_TASK_STATUS_PATH,
+                    &prost::Message::encode_to_vec(&message),
+                );
+                if let Ok(value) = signature.parse() {
+                    request.metadata_mut().insert(SIGNATURE_METADATA, value);
+                }
+            }
+            match client.set_task_status(request).await {
+                Ok(_) => {
+                    if let Some(ledger) = &self.ledger {
+                        ledger.reported(task, status);
+                    }
+                    return;
+                }
+                Err(err) if err.code() == tonic::Code::InvalidArgument => {
+                    tracing::warn!(id = %task.id, error = %err, "broker refused a report");
+                    return;
+                }
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+        tracing::warn!(id = %task.id, "gave up reporting a task result");
+    }
 }
 
 #[tonic::async_trait]
@@ -78,10 +171,11 @@ impl WorkerService for Handler {
     ) -> Result<Response<PushTaskResponse>, Status> {
         self.seen.attempts.fetch_add(1, Ordering::SeqCst);
         let request = request.into_inner();
-        let id = request
+        let task = request
             .task
-            .map(|task| task.id)
             .ok_or_else(|| Status::invalid_argument("no task"))?;
+        let id = task.id.clone();
+        let callback_url = request.callback_url.clone();
         self.seen
             .callback_urls
             .lock()
@@ -97,6 +191,21 @@ impl WorkerService for Handler {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
+            }
+            Mode::Execute { delay } => {
+                if let Some(ledger) = &self.reporter.ledger {
+                    ledger.delivered(&task);
+                }
+                let reporter = Arc::clone(&self.reporter);
+                tokio::spawn(async move {
+                    let Some(status) = report_for(&task) else {
+                        return;
+                    };
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    reporter.report(&callback_url, &task, status).await;
+                });
             }
             Mode::Unavailable => return Err(Status::unavailable("worker shutting down")),
             Mode::Busy => return Err(Status::resource_exhausted("queue full")),
@@ -129,6 +238,7 @@ pub struct DemoWorker {
     pub seen: Arc<Seen>,
     mode: Arc<Mutex<Mode>>,
     secrets: Vec<String>,
+    ledger: Option<Arc<Ledger>>,
     server: Option<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
@@ -153,11 +263,23 @@ impl DemoWorker {
         mode: Mode,
         secrets: Vec<String>,
     ) -> std::io::Result<DemoWorker> {
+        Self::start_with_ledger(addr, mode, secrets, None).await
+    }
+
+    /// As [`DemoWorker::start_on`], recording deliveries and acknowledged
+    /// reports of demo tasks in `ledger`.
+    pub async fn start_with_ledger(
+        addr: SocketAddr,
+        mode: Mode,
+        secrets: Vec<String>,
+        ledger: Option<Arc<Ledger>>,
+    ) -> std::io::Result<DemoWorker> {
         let mut worker = DemoWorker {
             addr,
             seen: Arc::new(Seen::default()),
             mode: Arc::new(Mutex::new(mode)),
             secrets,
+            ledger,
             server: None,
         };
         worker.addr = worker.serve()?;
@@ -169,6 +291,11 @@ impl DemoWorker {
         let handler = Handler {
             mode: Arc::clone(&self.mode),
             seen: Arc::clone(&self.seen),
+            reporter: Arc::new(Reporter {
+                secrets: self.secrets.clone(),
+                clients: Mutex::new(HashMap::new()),
+                ledger: self.ledger.clone(),
+            }),
         };
         let layer = VerifySignatureLayer::new(self.secrets.clone(), 4 * 1024 * 1024);
         let addr = self.addr;

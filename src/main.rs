@@ -7,9 +7,12 @@
 //! the actors in the order `broker.rs` describes (consumer commits, fetchers
 //! finish their batch, pushes in flight finish, held claims are released in
 //! one statement, the gRPC server drains), exiting 0 within
-//! `SHUTDOWN_TIMEOUT_MS`. A second signal exits at once. `taskbroker migrate` only applies migrations, and
-//! `taskbroker config` prints the effective configuration (secrets redacted)
-//! or, with `--markdown`, the configuration reference in docs/.
+//! `SHUTDOWN_TIMEOUT_MS`. A second signal exits at once. `taskbroker migrate` only applies
+//! migrations, and `taskbroker config` prints the effective configuration (secrets redacted)
+//! or, with `--markdown`, the configuration reference in docs/. `taskbroker demo` runs
+//! everything on one machine with nothing installed (src/demo/run.rs), `taskbroker
+//! demo-worker` serves a demo worker, and `taskbroker healthcheck` probes `/health` for
+//! container health checks.
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -75,6 +75,30 @@ async fn healthy_broker_is_live_ready_and_serving() {
     .await;
     assert_eq!(http_status(&broker, "/metrics").await, 200);
     assert_eq!(grpc_health(&broker).await, ServingStatus::Serving);
+
+    // The container health check: `taskbroker healthcheck` probes the
+    // same /health over loopback, and fails on a port nobody serves.
+    assert_eq!(healthcheck(broker.metrics_addr.to_string()).await, Some(0));
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    assert_eq!(healthcheck(closed.to_string()).await, Some(1));
+}
+
+/// Exit code of `taskbroker healthcheck` with `TASKBROKER_METRICS_ADDR`.
+async fn healthcheck(metrics_addr: String) -> Option<i32> {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_taskbroker"))
+            .arg("healthcheck")
+            .env("TASKBROKER_METRICS_ADDR", metrics_addr)
+            .output()
+            .expect("run taskbroker healthcheck")
+            .status
+            .code()
+    })
+    .await
+    .unwrap()
 }
 
 #[actix_rt::test]

@@ -86,6 +86,7 @@ conformance!(
     upkeep_statements_respect_their_limit,
     counts_by_status,
     max_pending_lag_is_delay_adjusted_and_first_attempt_only,
+    batch_operations_take_ids_with_quotes_backslashes_and_control_characters,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -950,4 +951,39 @@ async fn max_pending_lag_is_delay_adjusted_and_first_attempt_only(store: Store) 
     claim_all(&store, LEASE).await;
     let lag = store.max_pending_lag().await.unwrap();
     assert!((99.0..110.0).contains(&lag), "lag {lag}");
+}
+
+async fn batch_operations_take_ids_with_quotes_backslashes_and_control_characters(store: Store) {
+    // Ids come from producers; batch statements must pass any of them.
+    let odd = [
+        "quote\"d",
+        "back\\slash",
+        "new\nline",
+        "tab\tand\u{1}",
+        "ünïcødé ✓",
+        "[\"]",
+    ];
+    let batch: Vec<InflightActivation> = odd.iter().map(|id| row(id)).collect();
+    insert(store.as_ref(), &batch).await;
+
+    let claimed = claim_all(&store, LEASE).await;
+    assert_eq!(claimed.len(), odd.len());
+    assert_eq!(
+        store.release_claims(&tokens(&claimed)).await.unwrap(),
+        odd.len() as u64
+    );
+    let claimed = claim_all(&store, LEASE).await;
+    let mut moved = store
+        .mark_processing(&tokens(&claimed), NO_GRACE)
+        .await
+        .unwrap();
+    moved.sort();
+    let mut expected: Vec<String> = odd.iter().map(|id| id.to_string()).collect();
+    expected.sort();
+    assert_eq!(moved, expected);
+    assert_eq!(
+        store.delete_batch(&expected).await.unwrap(),
+        odd.len() as u64
+    );
+    assert_eq!(store.count_by_status().await.unwrap().total(), 0);
 }

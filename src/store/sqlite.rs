@@ -509,9 +509,53 @@ fn execute(
     Ok(changed as u64)
 }
 
-/// Runs `sql` once per claim token (`?1` id, `?2` claim_expires_at, then
-/// `?3` = `extra` if given), all inside the writer's one transaction, so the
-/// batch applies atomically; returns the ids of the rows that changed.
+/// JSON text of `values` as an array of strings, for `json_each(?)`:
+/// a whole id list travels as one parameter, so a batch is one statement.
+fn json_strings<'a>(values: impl IntoIterator<Item = &'a str>) -> String {
+    let mut json = String::from("[");
+    for (index, value) in values.into_iter().enumerate() {
+        if index > 0 {
+            json.push(',');
+        }
+        push_json_string(&mut json, value);
+    }
+    json.push(']');
+    json
+}
+
+/// JSON text of claim tokens as `[[id, claim_expires_at µs], …]`.
+fn json_tokens(claims: &[ClaimToken]) -> String {
+    let mut json = String::from("[");
+    for (index, claim) in claims.iter().enumerate() {
+        if index > 0 {
+            json.push(',');
+        }
+        json.push('[');
+        push_json_string(&mut json, &claim.id);
+        json.push(',');
+        json.push_str(&micros_of(claim.claim_expires_at).to_string());
+        json.push(']');
+    }
+    json.push(']');
+    json
+}
+
+fn push_json_string(json: &mut String, value: &str) {
+    json.push('"');
+    for c in value.chars() {
+        match c {
+            '"' => json.push_str("\\\""),
+            '\\' => json.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => json.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => json.push(c),
+        }
+    }
+    json.push('"');
+}
+
+/// Runs one fenced statement over every claim token (`?1`, see
+/// [`json_tokens`]; `?2` = `extra` if given) and returns the ids of the
+/// rows it changed.
 fn fenced(
     connection: &Connection,
     operation: &'static str,
@@ -522,17 +566,15 @@ fn fenced(
     let mut statement = connection
         .prepare_cached(sql)
         .map_err(|e| sql_error(operation, e))?;
+    let tokens = json_tokens(claims);
+    let mut rows = match extra {
+        Some(extra) => statement.query(params![tokens, extra]),
+        None => statement.query(params![tokens]),
+    }
+    .map_err(|e| sql_error(operation, e))?;
     let mut moved = Vec::new();
-    for claim in claims {
-        let expiry = micros_of(claim.claim_expires_at);
-        let changed = match extra {
-            Some(extra) => statement.execute(params![claim.id, expiry, extra]),
-            None => statement.execute(params![claim.id, expiry]),
-        }
-        .map_err(|e| sql_error(operation, e))?;
-        if changed > 0 {
-            moved.push(claim.id.clone());
-        }
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        moved.push(row.get(0).map_err(|e| sql_error(operation, e))?);
     }
     Ok(moved)
 }
@@ -577,18 +619,32 @@ const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!("AND ?3 IS NULL AND ?4 IS NULL"
 const CLAIM_FOR_PULL_APPLICATION: &str = claim_for_pull!("AND application = ?3 AND ?4 IS NULL");
 const CLAIM_FOR_PULL_NAMESPACE: &str = claim_for_pull!("AND application = ?3 AND namespace = ?4");
 
-// Fenced by id, status and the exact claim_expires_at the holder saw.
-const RELEASE_CLAIM: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
-     WHERE id = ?1 AND status = 'Claimed' AND claim_expires_at = ?2";
+// Fenced by id, status and the exact claim_expires_at the holder saw: one
+// statement for the whole batch, its tokens unpacked from one JSON array.
+macro_rules! fenced_claims {
+    ($set:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations AS t SET ",
+            $set,
+            " FROM (SELECT value ->> 0 AS id, value ->> 1 AS claim_expires_at \
+                    FROM json_each(?1)) AS r \
+             WHERE t.id = r.id AND t.claim_expires_at = r.claim_expires_at \
+               AND t.status = 'Claimed' \
+             RETURNING id"
+        )
+    };
+}
 
-const MARK_PROCESSING: &str = "UPDATE inflight_taskactivations \
-       SET status = 'Processing', processing_deadline = ?3 + processing_deadline_duration * 1000000 \
-     WHERE id = ?1 AND status = 'Claimed' AND claim_expires_at = ?2";
+const RELEASE_CLAIMS: &str = fenced_claims!("status = 'Pending'");
 
-const FAIL_CLAIM_ATTEMPT: &str = "UPDATE inflight_taskactivations \
-       SET processing_attempts = processing_attempts + 1, \
-           status = CASE WHEN processing_attempts + 1 >= ?3 THEN 'Failure' ELSE 'Pending' END \
-     WHERE id = ?1 AND status = 'Claimed' AND claim_expires_at = ?2";
+const MARK_PROCESSING: &str = fenced_claims!(
+    "status = 'Processing', processing_deadline = ?2 + processing_deadline_duration * 1000000"
+);
+
+const FAIL_CLAIM_ATTEMPT: &str = fenced_claims!(
+    "processing_attempts = processing_attempts + 1, \
+     status = CASE WHEN processing_attempts + 1 >= ?2 THEN 'Failure' ELSE 'Pending' END"
+);
 
 const SET_STATUS: &str = "UPDATE inflight_taskactivations SET status = ?2 \
      WHERE id = ?1 AND status IN ('Claimed', 'Processing')";
@@ -600,7 +656,8 @@ const READ_FOR_RETRY_EDIT: &str = "SELECT activation FROM inflight_taskactivatio
 
 const WRITE_ACTIVATION: &str = "UPDATE inflight_taskactivations SET activation = ?2 WHERE id = ?1";
 
-const DELETE_ONE: &str = "DELETE FROM inflight_taskactivations WHERE id = ?1";
+const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT value FROM json_each(?1))";
 
 const RELEASE_EXPIRED_CLAIMS: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
      WHERE id IN (SELECT id FROM inflight_taskactivations \
@@ -648,7 +705,7 @@ const DISCARD_FAILURES: &str = "UPDATE inflight_taskactivations SET status = 'Co
        WHERE status = 'Failure' AND on_attempts_exceeded <> 2 LIMIT ?1)";
 
 const MARK_PUBLISHED: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
-     WHERE id = ?1 AND status IN ('Retry', 'Failure')";
+     WHERE id IN (SELECT value FROM json_each(?1)) AND status IN ('Retry', 'Failure')";
 
 const REMOVE_COMPLETED: &str = "DELETE FROM inflight_taskactivations \
      WHERE id IN (SELECT id FROM inflight_taskactivations WHERE status = 'Complete' LIMIT ?1)";
@@ -801,7 +858,7 @@ impl ActivationStore for SqliteStore {
         // Durable: a lost release would only be replayed by the lease, but
         // it is rare and small, so it pays for the fsync.
         self.write(OP, true, move |connection| {
-            fenced(connection, OP, RELEASE_CLAIM, &claims, None).map(|ids| ids.len() as u64)
+            fenced(connection, OP, RELEASE_CLAIMS, &claims, None).map(|ids| ids.len() as u64)
         })
         .await
     }
@@ -896,13 +953,9 @@ impl ActivationStore for SqliteStore {
         if ids.is_empty() {
             return Ok(0);
         }
-        let ids = ids.to_vec();
+        let ids = json_strings(ids.iter().map(String::as_str));
         self.write(OP, false, move |connection| {
-            let mut deleted = 0;
-            for id in &ids {
-                deleted += execute(connection, OP, DELETE_ONE, params![id])?;
-            }
-            Ok(deleted)
+            execute(connection, OP, DELETE_BATCH, params![ids])
         })
         .await
     }
@@ -1023,13 +1076,9 @@ impl ActivationStore for SqliteStore {
         if ids.is_empty() {
             return Ok(0);
         }
-        let ids = ids.to_vec();
+        let ids = json_strings(ids.iter().map(String::as_str));
         self.write(OP, true, move |connection| {
-            let mut marked = 0;
-            for id in &ids {
-                marked += execute(connection, OP, MARK_PUBLISHED, params![id])?;
-            }
-            Ok(marked)
+            execute(connection, OP, MARK_PUBLISHED, params![ids])
         })
         .await
     }

@@ -68,6 +68,134 @@ pub struct Metrics {
     pub status_updates: IntCounterVec,
 }
 
+/// The label values the code emits, one list per label. The metrics are
+/// created with every value at zero (`Metrics::new`); a value missing here
+/// still works, it only appears once first used.
+pub mod labels {
+    /// `taskbroker_push_submits_total{result}` (FetchActor).
+    pub const SUBMIT_RESULTS: &[&str] = &["ok", "full", "timeout", "closed"];
+    /// `taskbroker_claims_released_total{reason}`: FetchActor (queue_*),
+    /// push pool (push_failed), upkeep (lease_expired), broker stop
+    /// (shutdown), a claim guard dropped while held (dropped).
+    pub const RELEASE_REASONS: &[&str] = &[
+        "queue_timeout",
+        "queue_closed",
+        "push_failed",
+        "lease_expired",
+        "shutdown",
+        "dropped",
+    ];
+    /// `taskbroker_pushes_total{result}` (PushPoolActor).
+    pub const PUSH_RESULTS: &[&str] = &[
+        "ok",
+        "error",
+        "busy",
+        "timeout",
+        "unroutable",
+        "undecodable",
+        "stale",
+    ];
+    /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
+    pub const CONSUMER_RESULTS: &[&str] = &["stored", "duplicate", "invalid", "expired"];
+    /// `taskbroker_consumer_invalid_records_total{reason}`:
+    /// `ActivationError::reason`.
+    pub const INVALID_REASONS: &[&str] = &[
+        "empty_payload",
+        "undecodable",
+        "empty_id",
+        "unknown_enum",
+        "invalid_timestamp",
+        "out_of_range",
+        "too_large",
+    ];
+    /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
+    /// `result` of `taskbroker_published_total`.
+    pub const PUBLISH_RESULTS: &[&str] = &["ok", "error"];
+    /// The `kind` of `taskbroker_published_total`.
+    pub const PUBLISH_KINDS: &[&str] = &["retry", "deadletter"];
+    /// `taskbroker_upkeep_step_duration_seconds{step}`.
+    pub const UPKEEP_STEPS: &[&str] = &[
+        "discard_failures",
+        "release_expired_claims",
+        "processing_deadlines",
+        "fail_exhausted_attempts",
+        "remove_expired",
+        "release_delayed",
+        "remove_completed",
+        "publish_retries",
+        "publish_dead_letters",
+    ];
+    /// `taskbroker_upkeep_transitions_total{step}`: the processing-deadline
+    /// step counts its two outcomes separately.
+    pub const UPKEEP_TRANSITIONS: &[&str] = &[
+        "discard_failures",
+        "release_expired_claims",
+        "processing_deadline_retried",
+        "processing_deadline_failed",
+        "fail_exhausted_attempts",
+        "remove_expired",
+        "release_delayed",
+        "remove_completed",
+        "publish_retries",
+        "publish_dead_letters",
+    ];
+    /// `taskbroker_upkeep_errors_total{step}`: the steps, and the gauge
+    /// refresh queries.
+    pub const UPKEEP_ERROR_STEPS: &[&str] = &[
+        "discard_failures",
+        "release_expired_claims",
+        "processing_deadlines",
+        "fail_exhausted_attempts",
+        "remove_expired",
+        "release_delayed",
+        "remove_completed",
+        "publish_retries",
+        "publish_dead_letters",
+        "count_by_status",
+        "max_pending_lag",
+    ];
+    /// `taskbroker_status_updates_total{status,result}`: each report as
+    /// received (or rejected as invalid) by the gRPC API, and what the
+    /// store write did with it (status "any": one statement covers many).
+    pub const STATUS_UPDATE_SERIES: &[(&str, &str)] = &[
+        ("complete", "received"),
+        ("retry", "received"),
+        ("failure", "received"),
+        ("unknown", "invalid"),
+        ("any", "updated"),
+        ("any", "ignored"),
+        ("any", "missing"),
+    ];
+    /// The `operation` of the store metrics (StoreActor messages).
+    pub const STORE_OPERATIONS: &[&str] = &[
+        "insert_batch",
+        "claim_for_push",
+        "claim_for_pull",
+        "release_claims",
+        "undo_claim",
+        "mark_processing",
+        "fail_claim_attempt",
+        "set_status",
+        "delete_batch",
+        "release_expired_claims",
+        "handle_processing_deadlines",
+        "fail_exhausted_attempts",
+        "remove_expired",
+        "release_delayed",
+        "take_for_publish",
+        "discard_failures",
+        "mark_published",
+        "remove_completed",
+        "count_by_status",
+        "max_pending_lag",
+        "get",
+    ];
+    /// The `kind` of `taskbroker_store_operation_errors_total`: what
+    /// `StoreError::kind` answers for a running operation (migration and
+    /// configuration errors only happen at startup, outside these metrics).
+    pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "query", "invalid_row"];
+}
+
 /// Latency buckets (seconds) for end-to-end task latencies.
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
@@ -264,7 +392,7 @@ impl Metrics {
                 .register(collector)
                 .expect("metric names are unique");
         }
-        Metrics {
+        let metrics = Metrics {
             registry,
             store_duration,
             store_errors,
@@ -290,6 +418,49 @@ impl Metrics {
             upkeep_errors,
             published,
             status_updates,
+        };
+        metrics.initialise_label_values();
+        metrics
+    }
+
+    /// Creates every series the code can emit at zero, so each family is on
+    /// `/metrics` from the start: `rate()` and alerts see 0 rather than no
+    /// data until the first event, and dashboards show every outcome.
+    fn initialise_label_values(&self) {
+        use labels::*;
+        for (counter, values) in [
+            (&self.submits, SUBMIT_RESULTS),
+            (&self.claims_released, RELEASE_REASONS),
+            (&self.pushes, PUSH_RESULTS),
+            (&self.consumer_records, CONSUMER_RESULTS),
+            (&self.invalid_records, INVALID_REASONS),
+            (&self.ingest_dead_letters, PUBLISH_RESULTS),
+            (&self.upkeep_transitions, UPKEEP_TRANSITIONS),
+            (&self.upkeep_errors, UPKEEP_ERROR_STEPS),
+        ] {
+            for value in values {
+                counter.with_label_values(&[value]);
+            }
+        }
+        for step in UPKEEP_STEPS {
+            self.upkeep_duration.with_label_values(&[step]);
+        }
+        for kind in PUBLISH_KINDS {
+            for result in PUBLISH_RESULTS {
+                self.published.with_label_values(&[kind, result]);
+            }
+        }
+        for (status, result) in STATUS_UPDATE_SERIES {
+            self.status_updates.with_label_values(&[status, result]);
+        }
+        for operation in STORE_OPERATIONS {
+            self.store_duration.with_label_values(&[operation]);
+            for kind in STORE_ERROR_KINDS {
+                self.store_errors.with_label_values(&[operation, kind]);
+            }
+        }
+        for status in ActivationStatus::ALL {
+            self.activations.with_label_values(&[status.as_str()]);
         }
     }
 
@@ -378,5 +549,23 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_exposed_before_its_first_event() {
+        let text = Metrics::new().render();
+        let families = text
+            .lines()
+            .filter(|line| line.starts_with("# TYPE taskbroker_"))
+            .count();
+        assert_eq!(families, 24, "{text}");
+        assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
+        assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
+        assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));
     }
 }

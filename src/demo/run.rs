@@ -21,16 +21,15 @@ use rdkafka::message::Message as _;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
-use super::scenario::{Kind, Ledger, TaskRecord, report_for};
+use super::scenario::{Kind, Ledger, TaskRecord, report_for, wire_status};
 use super::worker::{DemoWorker, Mode};
 use crate::broker::Broker;
 use crate::config::{Config, DeliveryMode};
 use crate::metrics::Metrics;
 use crate::proto::consumer_service_client::ConsumerServiceClient;
-use crate::proto::{GetTaskRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus};
+use crate::proto::{GetTaskRequest, SetTaskStatusRequest, TaskActivation};
 use crate::store::{
     ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
-    WorkerStatus,
 };
 
 /// What `taskbroker demo` was asked to do.
@@ -444,11 +443,7 @@ async fn pull_worker(grpc: std::net::SocketAddr, ledger: Arc<Ledger>, stop: Arc<
         };
         let request = SetTaskStatusRequest {
             id: task.id.clone(),
-            status: match status {
-                WorkerStatus::Complete => TaskActivationStatus::Complete,
-                WorkerStatus::Retry => TaskActivationStatus::Retry,
-                WorkerStatus::Failure => TaskActivationStatus::Failure,
-            } as i32,
+            status: wire_status(status) as i32,
             ..Default::default()
         };
         for _ in 0..50 {

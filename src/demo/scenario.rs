@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::proto::{OnAttemptsExceeded, RetryState, TaskActivation};
+use crate::proto::{OnAttemptsExceeded, RetryState, TaskActivation, TaskActivationStatus};
 use crate::store::WorkerStatus;
 
 pub const KIND_HEADER: &str = "demo-kind";
@@ -158,6 +158,15 @@ pub fn report_for(activation: &TaskActivation) -> Option<WorkerStatus> {
         Kind::Fail => Some(WorkerStatus::Failure),
         Kind::Deadline => None,
         _ => Some(WorkerStatus::Complete),
+    }
+}
+
+/// The wire status a worker sends for `status`.
+pub fn wire_status(status: WorkerStatus) -> TaskActivationStatus {
+    match status {
+        WorkerStatus::Complete => TaskActivationStatus::Complete,
+        WorkerStatus::Retry => TaskActivationStatus::Retry,
+        WorkerStatus::Failure => TaskActivationStatus::Failure,
     }
 }
 

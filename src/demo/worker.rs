@@ -9,14 +9,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::scenario::{Ledger, report_for};
+use super::scenario::{Ledger, report_for, wire_status};
 use crate::grpc::signing::{SIGNATURE_METADATA, sign};
 use crate::grpc::verify::VerifySignatureLayer;
 use crate::proto::consumer_service_client::ConsumerServiceClient;
 use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
-use crate::proto::{
-    PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
-};
+use crate::proto::{PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation};
 use crate::store::WorkerStatus;
 use std::collections::HashMap;
 use tokio::sync::oneshot;
@@ -122,11 +120,7 @@ impl Reporter {
         };
         let message = SetTaskStatusRequest {
             id: task.id.clone(),
-            status: match status {
-                WorkerStatus::Complete => TaskActivationStatus::Complete,
-                WorkerStatus::Retry => TaskActivationStatus::Retry,
-                WorkerStatus::Failure => TaskActivationStatus::Failure,
-            } as i32,
+            status: wire_status(status) as i32,
             ..Default::default()
         };
         let mut backoff = Duration::from_millis(50);

@@ -189,7 +189,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "KAFKA_CONFIG",
         default: "",
         allowed: Allowed::KafkaProperties,
-        description: "Extra librdkafka properties for the consumer and the producers, e.g. SASL and TLS settings.",
+        description: "Extra librdkafka properties for the consumer and the producers, e.g. `sasl.mechanism=PLAIN,sasl.username=u,sasl.password=p`. TLS (`security.protocol=SSL` or `SASL_SSL`) is not available: this build compiles librdkafka without OpenSSL.",
         secret: true,
     },
     Setting {

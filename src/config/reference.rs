@@ -25,7 +25,7 @@ const MARKDOWN_FORMATS: &str = "
   `billing=http://billing-0:50052|http://billing-1:50052;*=http://worker:50052`.
 - `TASKBROKER_KAFKA_CONFIG`: comma-separated `key=value` librdkafka properties applied to the
   consumer and the producers, e.g.
-  `security.protocol=SASL_SSL,sasl.mechanism=PLAIN,sasl.username=broker,sasl.password=...`.
+  `security.protocol=SASL_PLAINTEXT,sasl.mechanism=PLAIN,sasl.username=broker,sasl.password=...`.
 - `TASKBROKER_GRPC_SHARED_SECRETS`: comma-separated. To rotate, append the new secret everywhere,
   then move it first (pushes are signed with the first), then remove the old one.
 

@@ -86,6 +86,22 @@ async fn a_path_in_a_missing_directory_is_a_clear_configuration_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_store_on_the_same_file_is_refused_until_the_first_closes() {
+    let db = TestSqlite::new();
+    let first = db.store().await;
+    let err = SqliteStore::open(&db.store_config())
+        .err()
+        .expect("the file is taken");
+    match err {
+        StoreError::Config(message) => assert!(message.contains("in use"), "{message}"),
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+    drop(first);
+    let again = db.store().await;
+    assert_eq!(again.count_by_status().await.unwrap().total(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_operation_rolls_back_alone_within_a_group_commit() {
     let db = TestSqlite::new();
     let store: Arc<dyn ActivationStore> = db.store().await;

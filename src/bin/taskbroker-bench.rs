@@ -588,7 +588,7 @@ async fn sqlite_soak(args: SoakArgs) -> Result<(), String> {
         ))
     });
     let files = |path: &std::path::Path| -> Vec<std::path::PathBuf> {
-        ["", "-wal", "-shm"]
+        ["", "-wal", "-shm", ".lock"]
             .iter()
             .map(|suffix| {
                 let mut file = path.as_os_str().to_owned();

@@ -119,7 +119,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "SQLITE_PATH",
         default: "./taskbroker.sqlite",
         allowed: Allowed::Text,
-        description: "File of the embedded SQLite store (WAL mode: `-wal` and `-shm` files sit beside it), created if missing; used only when `DATABASE_URL` is unset. Its directory must exist; one broker process per file.",
+        description: "File of the embedded SQLite store (WAL mode: `-wal` and `-shm` files sit beside it), created if missing; used only when `DATABASE_URL` is unset. Its directory must exist; one broker process per file (a second one refuses to start: the first holds `<file>.lock`).",
         secret: false,
     },
     Setting {

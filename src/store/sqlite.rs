@@ -88,6 +88,10 @@ pub struct SqliteStore {
     path: PathBuf,
     writer: mpsc::Sender<Command>,
     readers: Arc<ReaderPool>,
+    /// Exclusive lock on `<path>.lock`, held while the store is open: a
+    /// second broker process on the same file refuses to start instead of
+    /// competing for the writer lock. The kernel drops it if we die.
+    _process_lock: std::fs::File,
 }
 
 /// Called once the transaction holding an operation has committed (`Ok`) or
@@ -121,6 +125,7 @@ impl SqliteStore {
                 parent.display()
             )));
         }
+        let process_lock = lock_for_this_process(&config.path)?;
         let connection = open_writer(&config.path, config.busy_timeout)?;
         let (sender, receiver) = mpsc::channel();
         let async_commit = config.async_commit;
@@ -137,6 +142,7 @@ impl SqliteStore {
                 max_idle: config.readers.max(1),
                 idle: Mutex::new(Vec::new()),
             }),
+            _process_lock: process_lock,
         })
     }
 
@@ -200,6 +206,36 @@ fn writer_gone(operation: &'static str) -> StoreError {
     StoreError::Unavailable {
         operation,
         message: "the SQLite writer thread has stopped".to_owned(),
+    }
+}
+
+fn lock_for_this_process(path: &Path) -> StoreResult<std::fs::File> {
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|err| {
+            StoreError::Config(format!(
+                "cannot open lock file {}: {err}",
+                lock_path.display()
+            ))
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Config(format!(
+            "SQLite database {} is in use by another taskbroker process (it holds {}); \
+             the embedded store serves one process, use PostgreSQL for several replicas",
+            path.display(),
+            lock_path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(err)) => Err(StoreError::Config(format!(
+            "cannot lock {}: {err}",
+            lock_path.display()
+        ))),
     }
 }
 

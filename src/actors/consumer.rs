@@ -26,6 +26,7 @@ use actix::prelude::*;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, Message as _, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
@@ -166,6 +167,15 @@ impl ClientContext for RebalanceContext {
 }
 
 impl ConsumerContext for RebalanceContext {
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        // Asynchronous commits report here; a failed one is re-covered by the
+        // next batch's commit, or by the partition's next owner re-reading
+        // (inserts are idempotent), but it must not go unseen.
+        if let Err(err) = result {
+            tracing::warn!(error = %err, "Kafka offset commit failed");
+        }
+    }
+
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let event = match rebalance {
             Rebalance::Assign(partitions) => Rebalanced::Assigned(partitions.count()),
@@ -312,8 +322,11 @@ impl ConsumeLoop {
                 }
             }
         }
-        // Stopping: what was read is stored and committed before leaving.
-        self.flush(&mut batch).await;
+        // Stopping: what was read is stored and committed before leaving,
+        // synchronously: an asynchronous commit still queued when the
+        // consumer closes can be lost, and the partition's next owner would
+        // then read (and run) the batch again.
+        self.flush_with(&mut batch, CommitMode::Sync).await;
         tracing::info!(topic = %self.config.topic, "consumer stopped");
     }
 
@@ -375,6 +388,10 @@ impl ConsumeLoop {
     /// Stores the batch, dead-letters its invalid records, then commits its
     /// offsets. Returns false when the loop must end (the test-only crash).
     async fn flush(&mut self, batch: &mut Batch) -> bool {
+        self.flush_with(batch, CommitMode::Async).await
+    }
+
+    async fn flush_with(&mut self, batch: &mut Batch, mode: CommitMode) -> bool {
         if batch.records() == 0 {
             batch.started = None;
             return true;
@@ -412,7 +429,7 @@ impl ConsumeLoop {
             tracing::warn!("test switch: stopping between insert and commit");
             return false;
         }
-        self.commit(&offsets);
+        self.commit(&offsets, mode);
         if stored > 0 {
             for fetcher in &self.wake {
                 let _ = fetcher.try_send(WakeFetch);
@@ -511,7 +528,7 @@ impl ConsumeLoop {
         futures::future::join_all(sends).await;
     }
 
-    fn commit(&self, offsets: &BTreeMap<(String, i32), i64>) {
+    fn commit(&self, offsets: &BTreeMap<(String, i32), i64>, mode: CommitMode) {
         let mut partitions = TopicPartitionList::new();
         for ((topic, partition), offset) in offsets {
             if let Err(err) =
@@ -520,7 +537,7 @@ impl ConsumeLoop {
                 tracing::warn!(error = %err, "cannot build the offset commit");
             }
         }
-        if let Err(err) = self.consumer.commit(&partitions, CommitMode::Async) {
+        if let Err(err) = self.consumer.commit(&partitions, mode) {
             tracing::warn!(error = %err, "cannot commit offsets; they are committed with the next batch");
         }
     }

@@ -1,0 +1,442 @@
+//! The fault matrix: the whole broker (Broker::start, as `taskbroker run`
+//! starts it) on real PostgreSQL and the mock Kafka cluster, with demo
+//! workers that run every pushed task and report its result to the
+//! broker, broken on purpose mid-run. Each case checks that every produced
+//! task reached exactly one terminal outcome (repeated runs are counted and
+//! must stay within what at-least-once allows), that no Claimed row
+//! outlived its lease by more than an upkeep pass, and that the metrics
+//! agree with what the workers saw.
+//!
+//! Scaled down to finish in seconds each; the slow, large versions are the
+//! load harness's job.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
+
+use common::kafka::MockKafka;
+use common::{TestDb, http_get, wait_until};
+use prost::Message as _;
+use taskbroker::broker::Broker;
+use taskbroker::config::Config;
+use taskbroker::demo::scenario::{Kind, Ledger, TaskRecord};
+use taskbroker::demo::worker::{DemoWorker, Mode};
+use taskbroker::metrics::Metrics;
+use taskbroker::store::ActivationStore;
+
+const TOPIC: &str = "tasks";
+/// Claims may outlive their lease by this much: upkeep runs every 100 ms
+/// and its statement takes a moment.
+const LEASE_SLACK_MS: i64 = 2_000;
+
+struct Matrix {
+    db: TestDb,
+    kafka: MockKafka,
+    ledger: Arc<Ledger>,
+    workers: Vec<DemoWorker>,
+    store: Arc<dyn ActivationStore>,
+    grpc_port: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+impl Matrix {
+    async fn new(workers: usize) -> Matrix {
+        let db = TestDb::new().await;
+        let store: Arc<dyn ActivationStore> = db.store().await;
+        let kafka = MockKafka::start();
+        kafka.create_topic(TOPIC, 4);
+        kafka.create_topic("taskworker-dlq", 1);
+        kafka.create_topic("taskworker-ingest-dlq", 1);
+        let ledger = Arc::new(Ledger::default());
+        let mut pool = Vec::new();
+        for _ in 0..workers {
+            pool.push(
+                DemoWorker::start_with_ledger(
+                    "127.0.0.1:0".parse().unwrap(),
+                    Mode::Execute {
+                        delay: Duration::from_millis(2),
+                    },
+                    Vec::new(),
+                    Some(Arc::clone(&ledger)),
+                )
+                .await
+                .expect("demo worker listens"),
+            );
+        }
+        Matrix {
+            db,
+            kafka,
+            ledger,
+            workers: pool,
+            store,
+            grpc_port: free_port(),
+        }
+    }
+
+    /// Broker configuration; every replica shares the database and the
+    /// consumer group, each has its own gRPC port.
+    fn config(&self, grpc_port: u16, extra: &[(&str, &str)]) -> Config {
+        let urls: Vec<String> = self.workers.iter().map(DemoWorker::url).collect();
+        let mut env: HashMap<String, String> = [
+            ("DATABASE_URL", self.db.url.clone()),
+            ("KAFKA_BROKERS", self.kafka.bootstrap()),
+            ("KAFKA_TOPIC", TOPIC.to_owned()),
+            ("WORKER_ENDPOINTS", format!("*={}", urls.join("|"))),
+            ("GRPC_ADDR", format!("127.0.0.1:{grpc_port}")),
+            ("GRPC_ADVERTISED_ADDR", format!("127.0.0.1:{grpc_port}")),
+            ("METRICS_ADDR", "127.0.0.1:0".to_owned()),
+            ("UPKEEP_INTERVAL_MS", "100".to_owned()),
+            ("RESTART_GRACE_SEC", "0".to_owned()),
+            ("FETCH_ACTORS", "2".to_owned()),
+            ("PUSH_QUEUE_TIMEOUT_MS", "200".to_owned()),
+            ("PUSH_TIMEOUT_MS", "1000".to_owned()),
+            ("CLAIM_LEASE_MS", "3000".to_owned()),
+            ("DB_POOL_SIZE", "8".to_owned()),
+            // Short heartbeats, so the mock coordinator finishes a
+            // rebalance in about a second instead of three.
+            (
+                "KAFKA_CONFIG",
+                "session.timeout.ms=6000,heartbeat.interval.ms=500".to_owned(),
+            ),
+        ]
+        .into_iter()
+        .map(|(name, value)| (format!("TASKBROKER_{name}"), value))
+        .collect();
+        for (name, value) in extra {
+            env.insert(format!("TASKBROKER_{name}"), (*value).to_owned());
+        }
+        Config::from_lookup(|name| env.get(name).cloned()).expect("test configuration")
+    }
+
+    fn start_broker(&self, grpc_port: u16, extra: &[(&str, &str)]) -> (Broker, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let broker = Broker::start(
+            &self.config(grpc_port, extra),
+            Arc::clone(&self.store),
+            Arc::clone(&metrics),
+            "matrix",
+        )
+        .expect("broker starts");
+        (broker, metrics)
+    }
+
+    /// Produces `n` tasks that complete, recording them in the ledger.
+    async fn produce(&self, prefix: &str, n: usize) -> Vec<String> {
+        let ids: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+        let payloads: Vec<Vec<u8>> = ids
+            .iter()
+            .map(|id| {
+                self.ledger.produced(id, Kind::Complete);
+                Kind::Complete
+                    .activation(id, chrono::Utc::now())
+                    .encode_to_vec()
+            })
+            .collect();
+        self.kafka.produce(TOPIC, &payloads).await;
+        ids
+    }
+
+    /// Watches the table until stopped; returns the most any Claimed row
+    /// was past its lease, in milliseconds.
+    fn watch_claims(&self) -> (Arc<AtomicBool>, Arc<AtomicI64>) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let worst = Arc::new(AtomicI64::new(0));
+        let (url, stop_flag, worst_seen) =
+            (self.db.url.clone(), Arc::clone(&stop), Arc::clone(&worst));
+        tokio::spawn(async move {
+            let mut client = None;
+            while !stop_flag.load(Ordering::Relaxed) {
+                if client.is_none() {
+                    client = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                        .await
+                        .ok()
+                        .map(|(client, connection)| {
+                            tokio::spawn(connection);
+                            client
+                        });
+                }
+                if let Some(c) = &client {
+                    match c
+                        .query_one(
+                            "SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - claim_expires_at) \
+                             * 1000), 0)::int8 FROM inflight_taskactivations \
+                             WHERE status = 'Claimed'",
+                            &[],
+                        )
+                        .await
+                    {
+                        Ok(row) => {
+                            worst_seen.fetch_max(row.get::<_, i64>(0), Ordering::Relaxed);
+                        }
+                        // The connection was terminated (a fault under test).
+                        Err(_) => client = None,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        (stop, worst)
+    }
+
+    /// Waits until every task completed and the table is empty.
+    async fn wait_until_all_done(&self, ids: &[String], limit: Duration) {
+        wait_until(
+            "every task completed and upkeep emptied the table",
+            limit,
+            || async {
+                let records = self.ledger.snapshot();
+                ids.iter()
+                    .all(|id| records.get(id).is_some_and(|r| r.completions >= 1))
+                    && self
+                        .store
+                        .count_by_status()
+                        .await
+                        .is_ok_and(|counts| counts.total() == 0)
+            },
+        )
+        .await;
+    }
+
+    /// Every task completed exactly once as far as the broker is concerned;
+    /// returns how many deliveries repeated a task (at-least-once).
+    fn check_outcomes(&self, ids: &[String]) -> u32 {
+        let records: HashMap<String, TaskRecord> = self.ledger.snapshot();
+        let mut repeats = 0;
+        for id in ids {
+            let record = records.get(id).unwrap_or_else(|| panic!("{id} unknown"));
+            record
+                .check(true)
+                .unwrap_or_else(|why| panic!("{id}: {why}"));
+            assert_eq!(record.failures, 0, "{id} failed");
+            repeats += record.deliveries - 1;
+        }
+        repeats
+    }
+}
+
+async fn sample(broker: &Broker, series: &str) -> f64 {
+    let (status, text) = http_get(broker.metrics_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    text.lines()
+        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Every PostgreSQL backend of the test database is terminated, twice,
+/// while tasks flow: the pools reconnect, failed statements are retried by
+/// their callers, and nothing is lost.
+#[actix_rt::test]
+async fn every_postgres_backend_terminated_mid_run() {
+    let matrix = Matrix::new(4).await;
+    let (broker, _metrics) = matrix.start_broker(matrix.grpc_port, &[]);
+    let (stop_watch, worst_overdue) = matrix.watch_claims();
+    let mut ids = matrix.produce("pgkill-a", 1_000).await;
+
+    let admin = common::connect(&common::admin_url()).await;
+    for round in 0..2 {
+        wait_until("some tasks are done", Duration::from_secs(60), || async {
+            matrix.ledger.totals().1 as usize >= 300 * (round + 1)
+        })
+        .await;
+        let terminated: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE datname = $1 AND pid <> pg_backend_pid()) t",
+                &[&matrix.db.name],
+            )
+            .await
+            .expect("terminate backends")
+            .get(0);
+        assert!(terminated > 0, "round {round}: no backend to terminate");
+        if round == 0 {
+            ids.extend(matrix.produce("pgkill-b", 500).await);
+        }
+    }
+
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(120))
+        .await;
+    stop_watch.store(true, Ordering::Relaxed);
+    let repeats = matrix.check_outcomes(&ids);
+    // A push whose success could not be recorded while the database was
+    // away runs again once its claim returns: bounded by what was in
+    // flight, far below the batch.
+    assert!(repeats <= 200, "{repeats} repeated deliveries");
+    assert!(
+        worst_overdue.load(Ordering::Relaxed) <= LEASE_SLACK_MS,
+        "a Claimed row outlived its lease by {} ms",
+        worst_overdue.load(Ordering::Relaxed)
+    );
+    let stored = sample(
+        &broker,
+        "taskbroker_consumer_records_total{result=\"stored\"}",
+    )
+    .await;
+    assert!(stored >= ids.len() as f64);
+    broker.stop().await;
+}
+
+/// The Kafka broker goes down mid-run and comes back: tasks already stored
+/// keep flowing, ingestion resumes, and each record is stored once.
+#[actix_rt::test]
+async fn kafka_broker_down_then_up() {
+    let matrix = Matrix::new(4).await;
+    let (broker, metrics) = matrix.start_broker(matrix.grpc_port, &[]);
+    let (stop_watch, worst_overdue) = matrix.watch_claims();
+    let mut ids = matrix.produce("kafka-a", 800).await;
+    wait_until("some tasks are done", Duration::from_secs(60), || async {
+        matrix.ledger.totals().1 >= 200
+    })
+    .await;
+
+    matrix.kafka.cluster.broker_down(1).expect("broker down");
+    // While Kafka is away, what was stored still drains to the workers.
+    let before = matrix.ledger.totals().1;
+    wait_until(
+        "stored tasks keep completing with Kafka down",
+        Duration::from_secs(30),
+        || async { matrix.ledger.totals().1 > before },
+    )
+    .await;
+    matrix.kafka.cluster.broker_up(1).expect("broker up");
+    ids.extend(matrix.produce("kafka-b", 400).await);
+
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(120))
+        .await;
+    stop_watch.store(true, Ordering::Relaxed);
+    let repeats = matrix.check_outcomes(&ids);
+    assert_eq!(repeats, 0, "Kafka trouble must not re-run stored tasks");
+    assert!(worst_overdue.load(Ordering::Relaxed) <= LEASE_SLACK_MS);
+    assert_eq!(
+        Metrics::count(&metrics.consumer_records, "stored"),
+        ids.len() as u64,
+        "each record stored once"
+    );
+    broker.stop().await;
+}
+
+/// Two brokers share the database and the consumer group; one is stopped
+/// and replaced mid-run, as in a rolling deploy. Workers report to
+/// whichever broker pushed them the task.
+#[actix_rt::test]
+async fn two_brokers_one_database_rolling_restart() {
+    let matrix = Matrix::new(4).await;
+    let second_port = free_port();
+    let (first, m1) = matrix.start_broker(matrix.grpc_port, &[]);
+    let (second, m2) = matrix.start_broker(second_port, &[]);
+    let (stop_watch, worst_overdue) = matrix.watch_claims();
+    let mut ids = matrix.produce("roll-a", 1_000).await;
+    wait_until("some tasks are done", Duration::from_secs(60), || async {
+        matrix.ledger.totals().1 >= 300
+    })
+    .await;
+
+    // Rolling deploy: the first replica stops cleanly and a new one takes
+    // its place (same address, as a restarted pod behind its Service).
+    first.stop().await;
+    // It committed everything it stored before leaving the group.
+    let committed: i64 = matrix.kafka.committed("taskbroker", TOPIC, 4).iter().sum();
+    assert_eq!(committed, 1_000, "offsets committed at the clean stop");
+    ids.extend(matrix.produce("roll-b", 500).await);
+    let (replacement, m3) = matrix.start_broker(matrix.grpc_port, &[]);
+
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(120))
+        .await;
+    stop_watch.store(true, Ordering::Relaxed);
+    // Each record was stored by exactly one replica, once.
+    let stored: u64 = [&m1, &m2, &m3]
+        .iter()
+        .map(|m| Metrics::count(&m.consumer_records, "stored"))
+        .sum();
+    assert_eq!(stored, ids.len() as u64);
+    let repeats = matrix.check_outcomes(&ids);
+    // A clean stop releases its claims, lets pushes finish and commits
+    // what it stored; reports sent to the stopping replica are retried by
+    // the workers. Nothing runs twice.
+    assert_eq!(repeats, 0, "{repeats} repeated deliveries");
+    assert!(worst_overdue.load(Ordering::Relaxed) <= LEASE_SLACK_MS);
+    second.stop().await;
+    replacement.stop().await;
+}
+
+/// Malformed Kafka records and malformed gRPC requests arrive mixed into
+/// the load: the good tasks all complete, bad records go to the ingest
+/// dead-letter topic, bad requests get INVALID_ARGUMENT, and nothing else
+/// changes.
+#[actix_rt::test]
+async fn malformed_records_and_requests_mixed_into_the_load() {
+    use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+    use taskbroker::proto::{SetBatchActivationStatusRequest, SetTaskStatusRequest};
+
+    let matrix = Matrix::new(4).await;
+    let (broker, metrics) = matrix.start_broker(matrix.grpc_port, &[]);
+    let mut payloads: Vec<Vec<u8>> = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..600 {
+        let id = format!("mixed-{i}");
+        matrix.ledger.produced(&id, Kind::Complete);
+        payloads.push(
+            Kind::Complete
+                .activation(&id, chrono::Utc::now())
+                .encode_to_vec(),
+        );
+        ids.push(id);
+        if i % 20 == 0 {
+            payloads.push(vec![0xff, 0x00, 0x13, 0x37]); // not a TaskActivation
+            payloads.push(Vec::new()); // empty
+        }
+    }
+    matrix.kafka.produce(TOPIC, &payloads).await;
+
+    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+        .await
+        .expect("broker gRPC");
+    for id in ids.iter().take(50) {
+        let bad = SetTaskStatusRequest {
+            id: id.clone(),
+            status: 99, // no such status
+            ..Default::default()
+        };
+        let err = client.set_task_status(bad).await.expect_err("refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        let pending = SetTaskStatusRequest {
+            id: id.clone(),
+            status: 1, // PENDING: not a worker's outcome
+            ..Default::default()
+        };
+        let err = client
+            .set_batch_activation_status(SetBatchActivationStatusRequest {
+                updates: vec![pending],
+            })
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    }
+
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(120))
+        .await;
+    assert_eq!(matrix.check_outcomes(&ids), 0);
+    let bad_records = Metrics::count(&metrics.consumer_records, "invalid");
+    assert_eq!(bad_records, 60, "every malformed record counted once");
+    assert_eq!(
+        Metrics::count(&metrics.consumer_records, "stored"),
+        ids.len() as u64
+    );
+    let dead = matrix.kafka.read_all("taskworker-ingest-dlq", 1);
+    assert_eq!(dead.len(), 60, "every malformed record dead-lettered");
+    broker.stop().await;
+}

@@ -14,8 +14,10 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+
 use std::time::Duration;
+use tracing_subscriber::Layer as _;
 
 use common::kafka::MockKafka;
 use common::{TestDb, http_get, wait_until};
@@ -28,6 +30,68 @@ use taskbroker::metrics::Metrics;
 use taskbroker::store::ActivationStore;
 
 const TOPIC: &str = "tasks";
+
+/// ERROR-level events and panics seen anywhere in this test binary (every
+/// case expects none, so a shared count is enough).
+static ERRORS: AtomicU64 = AtomicU64::new(0);
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
+struct CountErrors;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountErrors {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if *event.metadata().level() == tracing::Level::ERROR {
+            ERRORS.fetch_add(1, Ordering::Relaxed);
+            eprintln!("ERROR event: {event:?}");
+        }
+    }
+}
+
+/// Installs the ERROR and panic counters once per test binary; warnings
+/// and above are printed for the failure output.
+fn watch_logs_and_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let subscriber = tracing_subscriber::registry().with(CountErrors).with(
+            tracing_subscriber::fmt::layer()
+                .with_test_writer()
+                .with_filter(tracing_subscriber::filter::LevelFilter::WARN),
+        );
+        tracing::subscriber::set_global_default(subscriber).expect("one global subscriber");
+        let default_hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            // Test threads carry their test's name and fail by panicking;
+            // only the broker's own threads (actix arbiters, tokio
+            // workers, the SQLite writer, unnamed ones) count.
+            let thread = std::thread::current();
+            let broker_thread = match thread.name() {
+                None => true,
+                Some(name) => ["actix", "tokio", "sqlite"]
+                    .iter()
+                    .any(|prefix| name.starts_with(prefix)),
+            };
+            if broker_thread {
+                PANICS.fetch_add(1, Ordering::Relaxed);
+            }
+            default_hook(info);
+        }));
+    });
+}
+
+/// No ERROR was logged and nothing panicked (on any thread) so far.
+fn assert_no_errors_or_panics() {
+    assert_eq!(
+        ERRORS.load(Ordering::Relaxed),
+        0,
+        "ERROR-level events logged"
+    );
+    assert_eq!(PANICS.load(Ordering::Relaxed), 0, "a thread panicked");
+}
 /// Claims may outlive their lease by this much: upkeep runs every 100 ms
 /// and its statement takes a moment.
 const LEASE_SLACK_MS: i64 = 2_000;
@@ -50,6 +114,7 @@ fn free_port() -> u16 {
 
 impl Matrix {
     async fn new(workers: usize) -> Matrix {
+        watch_logs_and_panics();
         let db = TestDb::new().await;
         let store: Arc<dyn ActivationStore> = db.store().await;
         let kafka = MockKafka::start();
@@ -99,7 +164,9 @@ impl Matrix {
             ("FETCH_ACTORS", "2".to_owned()),
             ("PUSH_QUEUE_TIMEOUT_MS", "200".to_owned()),
             ("PUSH_TIMEOUT_MS", "1000".to_owned()),
-            ("CLAIM_LEASE_MS", "3000".to_owned()),
+            // Above the legitimate path of every case here: queue timeout
+            // + push timeout x (1 + queue size / concurrency).
+            ("CLAIM_LEASE_MS", "5000".to_owned()),
             ("DB_POOL_SIZE", "8".to_owned()),
             // Short heartbeats, so the mock coordinator finishes a
             // rebalance in about a second instead of three.
@@ -189,26 +256,41 @@ impl Matrix {
 
     /// Waits until every task completed and the table is empty.
     async fn wait_until_all_done(&self, ids: &[String], limit: Duration) {
-        wait_until(
-            "every task completed and upkeep emptied the table",
-            limit,
-            || async {
-                let records = self.ledger.snapshot();
-                ids.iter()
-                    .all(|id| records.get(id).is_some_and(|r| r.completions >= 1))
-                    && self
-                        .store
-                        .count_by_status()
-                        .await
-                        .is_ok_and(|counts| counts.total() == 0)
-            },
-        )
-        .await;
+        self.wait_until_settled(ids, limit, false).await
+    }
+
+    /// As `wait_until_all_done`; with `unacknowledged_ok`, a task that
+    /// reached a worker counts as settled once its row is gone even if the
+    /// worker died before it saw the broker acknowledge its report.
+    async fn wait_until_settled(&self, ids: &[String], limit: Duration, unacknowledged_ok: bool) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let records = self.ledger.snapshot();
+            let done = ids
+                .iter()
+                .filter(|id| {
+                    records.get(*id).is_some_and(|r| {
+                        r.completions >= 1 || (unacknowledged_ok && r.deliveries >= 1)
+                    })
+                })
+                .count();
+            let counts = self.store.count_by_status().await;
+            if done == ids.len() && counts.as_ref().is_ok_and(|c| c.total() == 0) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "gave up after {limit:?}: {done} of {} tasks completed; rows by status: {counts:?}",
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Every task completed exactly once as far as the broker is concerned;
     /// returns how many deliveries repeated a task (at-least-once).
     fn check_outcomes(&self, ids: &[String]) -> u32 {
+        assert_no_errors_or_panics();
         let records: HashMap<String, TaskRecord> = self.ledger.snapshot();
         let mut repeats = 0;
         for id in ids {
@@ -438,5 +520,133 @@ async fn malformed_records_and_requests_mixed_into_the_load() {
     );
     let dead = matrix.kafka.read_all("taskworker-ingest-dlq", 1);
     assert_eq!(dead.len(), 60, "every malformed record dead-lettered");
+    broker.stop().await;
+}
+
+/// Every worker goes away mid-run (its port refuses connections) and comes
+/// back: pushes back off instead of spinning, no task uses an attempt or is
+/// lost, and delivery resumes when the workers return.
+#[actix_rt::test]
+async fn all_workers_down_mid_run_then_back() {
+    let mut matrix = Matrix::new(2).await;
+    let (broker, metrics) = matrix.start_broker(matrix.grpc_port, &[]);
+    let (stop_watch, worst_overdue) = matrix.watch_claims();
+    let ids = matrix.produce("down", 1_200).await;
+    wait_until("some tasks are done", Duration::from_secs(60), || async {
+        matrix.ledger.totals().1 >= 200
+    })
+    .await;
+
+    for worker in &mut matrix.workers {
+        worker.kill();
+    }
+    // Tasks the workers held when they died: accepted, result not yet
+    // acknowledged. Only these (and pushes cut mid-call) may run again.
+    let held_at_kill = matrix
+        .ledger
+        .snapshot()
+        .values()
+        .filter(|r| r.deliveries > 0 && r.completions == 0)
+        .count() as u32;
+    let failed_before = Metrics::count(&metrics.pushes, "error");
+    // Two seconds of outage, measured by the broker's own failed pushes:
+    // the endpoints back off (at most one probe per 500 ms each), so the
+    // failures stay few instead of one per claimed task.
+    wait_until(
+        "the broker notices the workers are gone",
+        Duration::from_secs(10),
+        || async { Metrics::count(&metrics.pushes, "error") > failed_before },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // the outage itself
+    let failed_during = Metrics::count(&metrics.pushes, "error") - failed_before;
+    assert!(
+        failed_during <= 60,
+        "{failed_during} failed pushes in a 2 s outage: the endpoints do not back off"
+    );
+    for worker in &mut matrix.workers {
+        worker.restart().expect("worker back on its port");
+    }
+
+    matrix
+        .wait_until_settled(&ids, Duration::from_secs(120), true)
+        .await;
+    stop_watch.store(true, Ordering::Relaxed);
+    assert_no_errors_or_panics();
+    // A task the workers accepted just before they died may have had its
+    // report applied without the worker seeing the answer: its row is gone
+    // and the ledger has no completion. Rows leave the table only as
+    // Complete unless upkeep discarded, expired or failed them, and it did
+    // none of that here, so every task completed.
+    for step in [
+        "discard_failures",
+        "fail_exhausted_attempts",
+        "remove_expired",
+        "processing_deadline_failed",
+        "publish_dead_letters",
+    ] {
+        assert_eq!(
+            Metrics::count(&metrics.upkeep_transitions, step),
+            0,
+            "upkeep step {step} removed or failed tasks"
+        );
+    }
+    let records = matrix.ledger.snapshot();
+    let mut repeats = 0;
+    for id in &ids {
+        let record = &records[id];
+        assert!(record.deliveries >= 1, "{id} never ran");
+        assert_eq!(record.failures, 0);
+        repeats += record.deliveries - 1;
+    }
+    // Only tasks whose push or report was cut by the kill run again.
+    assert!(
+        repeats <= held_at_kill,
+        "{repeats} repeated deliveries; the workers held {held_at_kill} tasks when killed"
+    );
+    assert!(worst_overdue.load(Ordering::Relaxed) <= LEASE_SLACK_MS);
+    let attempts_after: u64 = matrix.workers.iter().map(|w| w.seen.attempts()).sum();
+    assert!(attempts_after > 0);
+    broker.stop().await;
+}
+
+/// A long stretch with the push pool saturated (slow workers, a tiny pool,
+/// eager fetchers): claims that cannot be handed over are released in one
+/// statement per batch, none outlives its lease, every task runs once.
+#[actix_rt::test]
+async fn push_pool_saturated_for_a_long_stretch() {
+    let matrix = Matrix::new(1).await;
+    matrix.workers[0].set_mode(Mode::ExecuteSlowly {
+        accept: Duration::from_millis(50),
+    });
+    let (broker, metrics) = matrix.start_broker(
+        matrix.grpc_port,
+        &[
+            ("PUSH_CONCURRENCY", "2"),
+            ("PUSH_QUEUE_SIZE", "4"),
+            ("FETCH_BATCH_SIZE", "32"),
+            ("FETCH_ACTORS", "4"),
+        ],
+    );
+    let (stop_watch, worst_overdue) = matrix.watch_claims();
+    let ids = matrix.produce("saturated", 400).await;
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(180))
+        .await;
+    stop_watch.store(true, Ordering::Relaxed);
+    assert_eq!(matrix.check_outcomes(&ids), 0);
+    assert!(
+        worst_overdue.load(Ordering::Relaxed) <= 0,
+        "a claim outlived its lease by {} ms while the pool was full",
+        worst_overdue.load(Ordering::Relaxed)
+    );
+    let timeouts = Metrics::count(&metrics.submits, "timeout");
+    assert!(timeouts > 0, "the pool was never full");
+    assert_eq!(
+        metrics.store_calls("release_claims"),
+        timeouts,
+        "one release statement per batch the pool could not take"
+    );
+    assert_eq!(Metrics::count(&metrics.claims_released, "lease_expired"), 0);
     broker.stop().await;
 }

@@ -235,8 +235,13 @@ impl Submitter {
         let batch: Vec<PushActivation> = batch.by_ref().collect();
         let mut batch = batch.into_iter();
 
+        // The whole batch must be handed over within the queue timeout,
+        // counted from the claim: a row later in the batch must not wait
+        // for all the rows before it, or its claim could outlive the lease
+        // (which allows one queue timeout for submitting) while it is still
+        // held here, and be claimed and pushed by someone else too.
+        let submit_by = Instant::now() + self.config.queue_timeout;
         while let Some(mut message) = batch.next() {
-            let first_try = Instant::now();
             loop {
                 match self.push.try_send(message) {
                     Ok(()) => {
@@ -245,7 +250,7 @@ impl Submitter {
                     }
                     Err(SendError::Full(back)) => {
                         self.metrics.submits.with_label_values(&["full"]).inc();
-                        if first_try.elapsed() >= self.config.queue_timeout {
+                        if Instant::now() >= submit_by {
                             self.metrics.submits.with_label_values(&["timeout"]).inc();
                             self.release(back, batch, "queue_timeout").await;
                             return Iteration::Backoff;

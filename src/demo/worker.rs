@@ -40,6 +40,9 @@ pub enum Mode {
     /// its demo kind calls for ([`report_for`]) to the push's callback
     /// address, as a real worker does.
     Execute { delay: Duration },
+    /// As `Execute` with no run time, but answers each push only after
+    /// `accept`: a worker slow to take work, which fills the push pool.
+    ExecuteSlowly { accept: Duration },
 }
 
 impl Mode {
@@ -157,6 +160,27 @@ impl Reporter {
     }
 }
 
+impl Handler {
+    /// Records the delivery and reports the task's outcome after `delay`,
+    /// on the worker's own runtime: killing the worker drops reports not
+    /// yet acknowledged, as a killed worker process would.
+    fn execute(&self, task: TaskActivation, callback_url: String, delay: Duration) {
+        if let Some(ledger) = &self.reporter.ledger {
+            ledger.delivered(&task);
+        }
+        let reporter = Arc::clone(&self.reporter);
+        tokio::spawn(async move {
+            let Some(status) = report_for(&task) else {
+                return;
+            };
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            reporter.report(&callback_url, &task, status).await;
+        });
+    }
+}
+
 #[tonic::async_trait]
 impl WorkerService for Handler {
     async fn push_task(
@@ -186,20 +210,10 @@ impl WorkerService for Handler {
                     tokio::time::sleep(delay).await;
                 }
             }
-            Mode::Execute { delay } => {
-                if let Some(ledger) = &self.reporter.ledger {
-                    ledger.delivered(&task);
-                }
-                let reporter = Arc::clone(&self.reporter);
-                tokio::spawn(async move {
-                    let Some(status) = report_for(&task) else {
-                        return;
-                    };
-                    if !delay.is_zero() {
-                        tokio::time::sleep(delay).await;
-                    }
-                    reporter.report(&callback_url, &task, status).await;
-                });
+            Mode::Execute { delay } => self.execute(task, callback_url, delay),
+            Mode::ExecuteSlowly { accept } => {
+                tokio::time::sleep(accept).await;
+                self.execute(task, callback_url, Duration::ZERO);
             }
             Mode::Unavailable => return Err(Status::unavailable("worker shutting down")),
             Mode::Busy => return Err(Status::resource_exhausted("queue full")),

@@ -285,7 +285,7 @@ pub const SETTINGS: &[Setting] = &[
             min: 1,
             max: 300_000,
         },
-        description: "How long a FetchActor retries submitting to a full push pool before releasing the rest of its batch.",
+        description: "How long a FetchActor may take to hand its claimed batch to a full push pool, counted from the claim; what is not handed over by then is released in one statement.",
         secret: false,
     },
     Setting {

@@ -1,5 +1,6 @@
-//! The real `taskbroker` binary on the embedded SQLite store, killed with
-//! SIGKILL in the middle of a run and started again on the same file:
+//! The real `taskbroker` binary, killed with SIGKILL in the middle of a run
+//! and started again on the same store (SQLite file or PostgreSQL
+//! database):
 //! nothing is lost, nothing runs twice beyond what at-least-once allows,
 //! and every claim the dead process held returns to Pending through its
 //! lease (no other path may touch it, since its holder is gone).
@@ -13,7 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::kafka::MockKafka;
 use common::worker::{DemoWorker, FakeWorker, Mode};
-use common::{TestSqlite, http_get};
+use common::{Backend, TestStore, http_get};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
@@ -22,7 +23,10 @@ use taskbroker::proto::{
 
 const TASKS: usize = 2_000;
 const INSERT_BATCH_SIZE: usize = 100;
-const LEASE_MS: u64 = 2_000;
+/// Covers the legitimate claim-to-result path (queue timeout 200 ms + push
+/// timeout 1 s x (1 + queue 8 / concurrency 4) = 3.2 s) with room for the
+/// store write that records the push, as the derived lease does.
+const LEASE_MS: u64 = 5_000;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -36,11 +40,12 @@ struct Ports {
     metrics: u16,
 }
 
-fn start_broker(db: &TestSqlite, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
+fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
+    let (store_variable, store_value) = db.env();
     Command::new(env!("CARGO_BIN_EXE_taskbroker"))
         .arg("run")
         .env_remove("TASKBROKER_DATABASE_URL")
-        .env("TASKBROKER_SQLITE_PATH", &db.path)
+        .env(format!("TASKBROKER_{store_variable}"), store_value)
         .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
         .env("TASKBROKER_KAFKA_TOPIC", "tasks")
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
@@ -51,6 +56,7 @@ fn start_broker(db: &TestSqlite, kafka: &MockKafka, worker: &DemoWorker, ports: 
         )
         // A slow pool behind eager fetchers: claims are always held.
         .env("TASKBROKER_PUSH_CONCURRENCY", "4")
+        .env("TASKBROKER_PUSH_QUEUE_SIZE", "8")
         .env("TASKBROKER_FETCH_BATCH_SIZE", "32")
         .env("TASKBROKER_PUSH_QUEUE_TIMEOUT_MS", "200")
         .env("TASKBROKER_PUSH_TIMEOUT_MS", "1000")
@@ -77,52 +83,21 @@ async fn stderr_of(child: Child) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// Claimed rows as (id, claim_expires_at), read from the file.
-fn claimed(db: &TestSqlite) -> HashMap<String, DateTime<Utc>> {
-    db.query(
-        "SELECT id, claim_expires_at FROM inflight_taskactivations WHERE status = 'Claimed'",
-        |row| {
-            let micros: i64 = row.get(1)?;
-            Ok((
-                row.get(0)?,
-                DateTime::from_timestamp_micros(micros).expect("timestamp"),
-            ))
-        },
-    )
-    .into_iter()
-    .collect()
+/// Claimed rows as id → claim_expires_at.
+async fn claimed(db: &TestStore) -> HashMap<String, DateTime<Utc>> {
+    db.claimed().await.into_iter().collect()
 }
 
-/// Every row as id → (status, claim_expires_at).
-fn rows(db: &TestSqlite) -> HashMap<String, (String, Option<DateTime<Utc>>)> {
-    db.query(
-        "SELECT id, status, claim_expires_at FROM inflight_taskactivations",
-        |row| {
-            let micros: Option<i64> = row.get(2)?;
-            Ok((
-                row.get(0)?,
-                (
-                    row.get(1)?,
-                    micros.map(|m| DateTime::from_timestamp_micros(m).expect("timestamp")),
-                ),
-            ))
-        },
-    )
-    .into_iter()
-    .collect()
+async fn count(db: &TestStore, status: &str) -> usize {
+    db.rows()
+        .await
+        .values()
+        .filter(|(row_status, _)| row_status == status)
+        .count()
 }
 
-fn count(db: &TestSqlite, status: &str) -> usize {
-    db.query(
-        &format!("SELECT count(*) FROM inflight_taskactivations WHERE status = '{status}'"),
-        |row| row.get::<_, i64>(0),
-    )[0] as usize
-}
-
-fn total(db: &TestSqlite) -> usize {
-    db.query("SELECT count(*) FROM inflight_taskactivations", |row| {
-        row.get::<_, i64>(0)
-    })[0] as usize
+async fn total(db: &TestStore) -> usize {
+    db.rows().await.len()
 }
 
 /// The workers' reporting side: every delivery the worker accepted is
@@ -167,9 +142,10 @@ async fn report_accepted(
     }
 }
 
-#[actix_rt::test]
-async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease() {
-    let db = TestSqlite::new();
+on_both_backends!(broker_killed_mid_run_loses_nothing_and_claims_return_by_lease);
+
+async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend: Backend) {
+    let db = TestStore::new(backend).await;
     let kafka = MockKafka::start();
     kafka.create_topic("tasks", 4);
     let worker = FakeWorker::start(Mode::Accept {
@@ -220,9 +196,18 @@ async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease()
     let first_stderr = stderr_of(first).await;
     let killed_at = Utc::now();
 
-    // What the dead process left behind.
-    let stranded = claimed(&db);
-    let processing_at_kill = count(&db, "Processing");
+    // What the dead process left behind, once its last statements landed.
+    db.wait_for_dead_broker_backends().await;
+    let stranded = claimed(&db).await;
+    let processing_at_kill = count(&db, "Processing").await;
+    // Records after the committed offsets are read again by the restarted
+    // broker; any of them already run may run again.
+    let committed_at_kill: i64 = kafka
+        .committed("taskbroker", "tasks", 4)
+        .iter()
+        .map(|offset| (*offset).max(0))
+        .sum();
+    let uncommitted_at_kill = TASKS - committed_at_kill as usize;
     assert!(
         !stranded.is_empty(),
         "the kill should have caught claims held by fetchers and the pool"
@@ -238,7 +223,7 @@ async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease()
         // pushed again) once its lease has run out. Before that, the only
         // change allowed is the worker's own report: the push may have
         // reached the worker just before the kill.
-        let rows = rows(&db);
+        let rows = db.rows().await;
         let now = Utc::now();
         for (id, expiry) in &stranded {
             if returned.contains(id) {
@@ -265,7 +250,7 @@ async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease()
         }
         report_accepted(ports.grpc, &worker, &mut acknowledged).await;
         let done = ids.iter().all(|id| acknowledged.contains_key(id));
-        if done && returned.len() == stranded.len() && total(&db) == 0 {
+        if done && returned.len() == stranded.len() && total(&db).await == 0 {
             break;
         }
         assert!(
@@ -274,7 +259,7 @@ async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease()
             acknowledged.len(),
             returned.len(),
             stranded.len(),
-            total(&db)
+            total(&db).await
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -306,12 +291,12 @@ async fn sqlite_broker_killed_mid_run_loses_nothing_and_claims_return_by_lease()
     // where at-least-once allows: a row Claimed at the kill may already
     // have reached the worker (push done, mark-processing not written), a
     // Processing row's report may not have been acknowledged, and records
-    // of the last uncommitted insert batch are read again.
+    // after the committed offsets are read again.
     let deliveries = worker.seen.accepted();
     let delivered: HashSet<&String> = deliveries.iter().collect();
     assert_eq!(delivered.len(), TASKS, "every task reached the worker");
     let duplicates = deliveries.len() - TASKS;
-    let allowed = stranded.len() + processing_at_kill + INSERT_BATCH_SIZE;
+    let allowed = stranded.len() + processing_at_kill + uncommitted_at_kill;
     assert!(
         duplicates <= allowed,
         "{duplicates} duplicate deliveries; at-least-once allows {allowed}"

@@ -189,6 +189,62 @@ impl TestStore {
         }
     }
 
+    /// Every row as id → (status, claim_expires_at).
+    pub async fn rows(&self) -> std::collections::HashMap<String, (String, Option<DateTime<Utc>>)> {
+        const SQL: &str = "SELECT id, status, claim_expires_at FROM inflight_taskactivations";
+        match self {
+            TestStore::Postgres(db) => db
+                .client()
+                .await
+                .query(SQL, &[])
+                .await
+                .expect("read rows")
+                .iter()
+                .map(|row| (row.get(0), (row.get(1), row.get(2))))
+                .collect(),
+            TestStore::Sqlite(db) => db
+                .query(SQL, |row| {
+                    let micros: Option<i64> = row.get(2)?;
+                    Ok((
+                        row.get(0)?,
+                        (
+                            row.get(1)?,
+                            micros.map(|m| DateTime::from_timestamp_micros(m).expect("timestamp")),
+                        ),
+                    ))
+                })
+                .into_iter()
+                .collect(),
+        }
+    }
+
+    /// After a broker process died: waits until PostgreSQL has finished
+    /// the statements it had sent (its server backends exit once they see
+    /// the closed connection). A statement already running when the
+    /// process died still commits, so the table is only settled after this.
+    pub async fn wait_for_dead_broker_backends(&self) {
+        let TestStore::Postgres(db) = self else {
+            return; // SQLite dies with the process.
+        };
+        let admin = connect(&admin_url()).await;
+        wait_until(
+            "the killed broker's PostgreSQL backends are gone",
+            std::time::Duration::from_secs(30),
+            || async {
+                admin
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE datname = $1 AND application_name = 'taskbroker'",
+                        &[&db.name],
+                    )
+                    .await
+                    .map(|row| row.get::<_, i64>(0) == 0)
+                    .unwrap_or(false)
+            },
+        )
+        .await;
+    }
+
     /// A plain PostgreSQL client, for tests that only run on PostgreSQL.
     pub async fn client(&self) -> tokio_postgres::Client {
         match self {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::kafka::MockKafka;
 use common::worker::{DemoWorker, FakeWorker, Mode};
-use common::{Backend, TestStore, http_get};
+use common::{Backend, TestStore, free_port, http_get};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
@@ -27,13 +27,6 @@ const INSERT_BATCH_SIZE: usize = 100;
 /// timeout 1 s x (1 + queue 8 / concurrency 4) = 3.2 s) with room for the
 /// store write that records the push, as the derived lease does.
 const LEASE_MS: u64 = 5_000;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
-}
 
 struct Ports {
     grpc: u16,

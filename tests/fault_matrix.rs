@@ -20,7 +20,7 @@ use std::time::Duration;
 use tracing_subscriber::Layer as _;
 
 use common::kafka::MockKafka;
-use common::{TestDb, http_get, wait_until};
+use common::{TestDb, free_port, http_get, wait_until};
 use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
@@ -103,13 +103,6 @@ struct Matrix {
     workers: Vec<DemoWorker>,
     store: Arc<dyn ActivationStore>,
     grpc_port: u16,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
 }
 
 impl Matrix {

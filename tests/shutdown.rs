@@ -10,19 +10,12 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, wait_until};
+use common::{TestDb, free_port, wait_until};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
     SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
 };
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
-}
 
 #[actix_rt::test]
 async fn sigterm_with_load_in_flight_stops_cleanly() {

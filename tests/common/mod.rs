@@ -406,6 +406,15 @@ pub async fn insert(store: &dyn ActivationStore, rows: &[InflightActivation]) {
     store.insert_batch(rows).await.expect("insert");
 }
 
+/// A loopback port nobody listens on right now, for a server the test
+/// starts later (a broker binary, a restarted replica).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
 /// Polls `condition` every 20 ms until it holds, failing the test after
 /// `limit`: for waiting on a state the system reaches by itself.
 pub async fn wait_until<F, Fut>(what: &str, limit: std::time::Duration, mut condition: F)

@@ -14,7 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::kafka::MockKafka;
 use common::worker::{DemoWorker, FakeWorker, Mode};
-use common::{Backend, TestStore, free_port, http_get};
+use common::{Backend, KillOnDrop, TestStore, free_port, http_get};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
@@ -171,7 +171,9 @@ async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend:
     };
 
     // First run: work until a good part is done, reporting as we go.
+    let mut leftovers = KillOnDrop::default();
     let mut first = start_broker(&db, &kafka, &worker, &ports);
+    leftovers.0.push(first.id());
     let mut acknowledged: HashMap<String, usize> = HashMap::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     while worker.seen.accepted().len() < TASKS / 3 {
@@ -208,6 +210,7 @@ async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend:
 
     // Second run on the same file.
     let second = start_broker(&db, &kafka, &worker, &ports);
+    leftovers.0.push(second.id());
     let mut returned: HashSet<String> = HashSet::new();
     let mut reported_while_claimed: HashSet<String> = HashSet::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(180);

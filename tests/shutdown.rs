@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, free_port, wait_until};
+use common::{KillOnDrop, TestDb, free_port, wait_until};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
@@ -60,6 +60,7 @@ async fn sigterm_with_load_in_flight_stops_cleanly() {
         .stdout(Stdio::null())
         .spawn()
         .expect("start the broker binary");
+    let _leftover = KillOnDrop(vec![broker.id()]);
 
     // Report results for what the worker accepted, until a few hundred are
     // done; keep the load going while the signal arrives.

@@ -406,6 +406,22 @@ pub async fn insert(store: &dyn ActivationStore, rows: &[InflightActivation]) {
     store.insert_batch(rows).await.expect("insert");
 }
 
+/// Kills the listed processes when dropped, so a test that fails halfway
+/// leaves no broker binary running behind it.
+#[derive(Default)]
+pub struct KillOnDrop(pub Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
 /// A loopback port nobody listens on right now, for a server the test
 /// starts later (a broker binary, a restarted replica).
 pub fn free_port() -> u16 {

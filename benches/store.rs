@@ -228,9 +228,7 @@ fn sqlite(c: &mut Criterion) {
         .expect("migrate bench database");
     bench_backend(c, &runtime, &group_name("sqlite"), &store);
     drop(store);
-    for suffix in ["", "-wal", "-shm", ".lock"] {
-        let mut file = path.clone().into_os_string();
-        file.push(suffix);
+    for file in SqliteStore::files(&path) {
         let _ = std::fs::remove_file(file);
     }
 }

@@ -587,19 +587,9 @@ async fn sqlite_soak(args: SoakArgs) -> Result<(), String> {
             uuid::Uuid::new_v4().simple()
         ))
     });
-    let files = |path: &std::path::Path| -> Vec<std::path::PathBuf> {
-        ["", "-wal", "-shm", ".lock"]
-            .iter()
-            .map(|suffix| {
-                let mut file = path.as_os_str().to_owned();
-                file.push(suffix);
-                std::path::PathBuf::from(file)
-            })
-            .collect()
-    };
     // Main file + WAL: what the store occupies on disk.
     let on_disk = |path: &std::path::Path| -> u64 {
-        files(path)
+        SqliteStore::files(path)
             .iter()
             .take(2)
             .filter_map(|file| std::fs::metadata(file).ok())
@@ -707,7 +697,7 @@ async fn sqlite_soak(args: SoakArgs) -> Result<(), String> {
     );
     drop(store);
     if scratch {
-        for file in files(&path) {
+        for file in SqliteStore::files(&path) {
             let _ = std::fs::remove_file(file);
         }
     }

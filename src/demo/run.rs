@@ -295,9 +295,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
     let _ = dlq_reader.join();
     drop(store);
     if config.database_url.is_none() {
-        for suffix in ["", "-wal", "-shm", ".lock"] {
-            let mut file = scratch.clone().into_os_string();
-            file.push(suffix);
+        for file in SqliteStore::files(&scratch) {
             let _ = std::fs::remove_file(file);
         }
     }

@@ -67,6 +67,24 @@ impl StoreError {
     }
 }
 
+/// Adds one `(status, count)` row of a `GROUP BY status` query to `counts`;
+/// both backends read their counts this way.
+pub(crate) fn add_status_count(
+    counts: &mut StatusCounts,
+    status: &str,
+    count: i64,
+) -> StoreResult<()> {
+    let status = status
+        .parse::<ActivationStatus>()
+        .map_err(|value| StoreError::InvalidRow {
+            id: String::from("(count)"),
+            column: "status",
+            value,
+        })?;
+    counts.set(status, u64::try_from(count).unwrap_or(0));
+    Ok(())
+}
+
 /// The operations the broker performs on in-flight activations.
 ///
 /// Implementations must be safe to call concurrently from many tasks and from

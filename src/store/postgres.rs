@@ -836,15 +836,7 @@ impl ActivationStore for PostgresStore {
         for row in &rows {
             let status: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
             let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
-            let status =
-                status
-                    .parse::<ActivationStatus>()
-                    .map_err(|value| StoreError::InvalidRow {
-                        id: String::from("(count)"),
-                        column: "status",
-                        value,
-                    })?;
-            counts.set(status, u64::try_from(count).unwrap_or(0));
+            super::add_status_count(&mut counts, &status, count)?;
         }
         Ok(counts)
     }

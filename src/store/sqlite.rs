@@ -181,6 +181,34 @@ impl SqliteStore {
         result.await.map_err(|_| writer_gone(operation))?
     }
 
+    /// An upkeep statement over rows due by now: `?1` now, `?2` limit.
+    async fn due_now(
+        &self,
+        operation: &'static str,
+        sql: &'static str,
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        self.write(operation, true, move |connection| {
+            execute(
+                connection,
+                operation,
+                sql,
+                params![now_micros(), limit(limit_rows)],
+            )
+        })
+        .await
+    }
+
+    /// The database file and the files SQLite and the store keep beside it
+    /// (WAL, shared memory, process lock): what to remove with the database.
+    pub fn files(path: &Path) -> [PathBuf; 4] {
+        ["", "-wal", "-shm", ".lock"].map(|suffix| {
+            let mut file = path.as_os_str().to_owned();
+            file.push(suffix);
+            PathBuf::from(file)
+        })
+    }
+
     /// Runs `read` on a read-only connection on the blocking pool.
     async fn read<T, F>(&self, operation: &'static str, read: F) -> StoreResult<T>
     where
@@ -997,16 +1025,8 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn release_expired_claims(&self, limit_rows: usize) -> StoreResult<u64> {
-        const OP: &str = "release_expired_claims";
-        self.write(OP, true, move |connection| {
-            execute(
-                connection,
-                OP,
-                RELEASE_EXPIRED_CLAIMS,
-                params![now_micros(), limit(limit_rows)],
-            )
-        })
-        .await
+        self.due_now("release_expired_claims", RELEASE_EXPIRED_CLAIMS, limit_rows)
+            .await
     }
 
     async fn handle_processing_deadlines(&self, limit_rows: usize) -> StoreResult<DeadlineOutcome> {
@@ -1050,29 +1070,13 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn remove_expired(&self, limit_rows: usize) -> StoreResult<u64> {
-        const OP: &str = "remove_expired";
-        self.write(OP, true, move |connection| {
-            execute(
-                connection,
-                OP,
-                REMOVE_EXPIRED,
-                params![now_micros(), limit(limit_rows)],
-            )
-        })
-        .await
+        self.due_now("remove_expired", REMOVE_EXPIRED, limit_rows)
+            .await
     }
 
     async fn release_delayed(&self, limit_rows: usize) -> StoreResult<u64> {
-        const OP: &str = "release_delayed";
-        self.write(OP, true, move |connection| {
-            execute(
-                connection,
-                OP,
-                RELEASE_DELAYED,
-                params![now_micros(), limit(limit_rows)],
-            )
-        })
-        .await
+        self.due_now("release_delayed", RELEASE_DELAYED, limit_rows)
+            .await
     }
 
     async fn take_for_publish(
@@ -1142,15 +1146,7 @@ impl ActivationStore for SqliteStore {
             while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
                 let status: String = row.get(0).map_err(|e| sql_error(OP, e))?;
                 let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
-                let status =
-                    status
-                        .parse::<ActivationStatus>()
-                        .map_err(|value| StoreError::InvalidRow {
-                            id: String::from("(count)"),
-                            column: "status",
-                            value,
-                        })?;
-                counts.set(status, u64::try_from(count).unwrap_or(0));
+                super::add_status_count(&mut counts, &status, count)?;
             }
             Ok(counts)
         })

@@ -107,10 +107,8 @@ impl TestSqlite {
 
 impl Drop for TestSqlite {
     fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", ".lock"] {
-            let mut path = self.path.clone().into_os_string();
-            path.push(suffix);
-            let _ = std::fs::remove_file(path);
+        for file in SqliteStore::files(&self.path) {
+            let _ = std::fs::remove_file(file);
         }
     }
 }

@@ -44,6 +44,7 @@ impl PushPipelineConfig {
                 backoff: config.fetch_backoff,
                 queue_timeout: config.push_queue_timeout,
                 lease: config.claim_lease(),
+                release_on_full: !config.bench_disable_release_on_full,
             },
             push: PushPoolConfig {
                 concurrency: config.push_concurrency,

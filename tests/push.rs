@@ -111,6 +111,7 @@ fn config(workers: &[&DemoWorker]) -> PushPipelineConfig {
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(500),
             lease: Duration::from_secs(30),
+            release_on_full: true,
         },
         push: PushPoolConfig {
             concurrency: 32,
@@ -320,6 +321,50 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
         .await
         .unwrap();
     assert_eq!(fresh, Ok(true));
+}
+
+/// The stranded-claim benchmark's "before" switch really restores the older
+/// behaviour: with release-on-full off, a batch that cannot be submitted
+/// keeps its claims (held by nobody) instead of returning them to Pending.
+#[actix_rt::test]
+async fn bench_switch_leaves_unsubmitted_claims_to_their_lease() {
+    let harness = Harness::new().await;
+    let hang = FakeWorker::start(Mode::Hang).await;
+    let mut config = config(&[&hang]);
+    config.fetch_actors = 1;
+    config.fetch.batch_size = 16;
+    config.fetch.queue_timeout = Duration::from_millis(50);
+    config.fetch.release_on_full = false;
+    config.push.concurrency = 1;
+    config.push.queue_size = 1;
+    config.push.push_timeout = Duration::from_secs(3);
+    harness.insert("strand", 16).await;
+    let pipeline = harness.start(config);
+
+    wait_until(
+        "a submit times out on the full pool",
+        Duration::from_secs(20),
+        || async { Metrics::count(&harness.metrics.submits, "timeout") > 0 },
+    )
+    .await;
+    // A push hangs in the slot and one or two wait in the pool; the rest of
+    // the batch stays Claimed with nobody holding it.
+    let held = pipeline.registry.snapshot();
+    let claimed = harness.claimed().await;
+    let unheld = claimed
+        .iter()
+        .filter(|(id, expires)| {
+            !held.contains(&taskbroker::store::ClaimToken {
+                id: id.clone(),
+                claim_expires_at: *expires,
+            })
+        })
+        .count();
+    assert_eq!(claimed.len(), 16);
+    assert!(unheld >= 13, "only {unheld} claims were left unheld");
+    assert_eq!(harness.metrics.store_calls("release_claims"), 0);
+    assert_eq!(harness.count(ActivationStatus::Pending).await, 0);
+    pipeline.stop().await;
 }
 
 #[actix_rt::test]

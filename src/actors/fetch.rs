@@ -42,6 +42,10 @@ pub struct FetchConfig {
     pub backoff: Duration,
     pub queue_timeout: Duration,
     pub lease: Duration,
+    /// `false` only in the stranded-claim benchmark
+    /// (`BENCH_DISABLE_RELEASE_ON_FULL`): a batch that cannot be submitted
+    /// keeps its claims until their lease runs out, as in the older design.
+    pub release_on_full: bool,
 }
 
 /// New rows were stored: fetch now instead of waiting out the backoff.
@@ -285,6 +289,12 @@ impl Submitter {
             .chain(rest)
             .map(|message| message.claim)
             .collect();
+        if !self.config.release_on_full {
+            // The benchmark's "before" picture: the claims stay until upkeep
+            // finds their lease expired (counted then as `lease_expired`).
+            guards.into_iter().for_each(ClaimGuard::settle);
+            return;
+        }
         let claims = guards.iter().map(|guard| guard.token().clone()).collect();
         match self.store.send(ReleaseClaims { claims }).await {
             Ok(Ok(released)) => {

@@ -420,6 +420,13 @@ pub const SETTINGS: &[Setting] = &[
         description: "Log line format.",
         secret: false,
     },
+    Setting {
+        name: "BENCH_DISABLE_RELEASE_ON_FULL",
+        default: "false",
+        allowed: Allowed::Bool,
+        description: "For the stranded-claim benchmark only; never in production. When a claimed batch cannot be handed to a full push pool, leave its claims to their lease instead of releasing them (the older design), so the benchmark can show both side by side. The broker logs a warning at startup when it is set.",
+        secret: false,
+    },
 ];
 
 /// The table entry for `name` (without the prefix).
@@ -600,6 +607,8 @@ pub struct Config {
     pub log: String,
     /// `LOG_FORMAT`.
     pub log_format: LogFormat,
+    /// `BENCH_DISABLE_RELEASE_ON_FULL`: a benchmark switch, never for production.
+    pub bench_disable_release_on_full: bool,
 }
 
 impl Config {
@@ -749,6 +758,7 @@ impl Config {
             "SHUTDOWN_TIMEOUT_MS" => ms(self.shutdown_timeout),
             "LOG" => text(&self.log),
             "LOG_FORMAT" => text(self.log_format),
+            "BENCH_DISABLE_RELEASE_ON_FULL" => text(self.bench_disable_release_on_full),
             // A setting added to the table but not here; a test catches it.
             _ => text("<not rendered>"),
         }
@@ -1081,6 +1091,7 @@ impl Values {
             shutdown_timeout: self.take("SHUTDOWN_TIMEOUT_MS")?,
             log: self.take("LOG")?,
             log_format: self.take("LOG_FORMAT")?,
+            bench_disable_release_on_full: self.take("BENCH_DISABLE_RELEASE_ON_FULL")?,
         };
         // A setting in the table that no field took would be silently ignored.
         if let Some(name) = self.parsed.keys().next() {

@@ -28,6 +28,13 @@
 //! (main file + WAL) over the run: it must track the rows in flight, not
 //! the history.
 
+mod e2e;
+mod floor;
+mod harness;
+mod procstat;
+mod stranded;
+mod workers;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -61,6 +68,15 @@ enum Scenario {
     Status(StatusArgs),
     /// Pass N tasks through the SQLite store with upkeep; report file size.
     SqliteSoak(SoakArgs),
+    /// The whole broker as a separate process, fed through Kafka, with
+    /// workers in a third process: burn-down or open loop.
+    E2e(e2e::E2eArgs),
+    /// The store work of one task driven straight at the database.
+    Floor(floor::FloorArgs),
+    /// Workers go away and come back under steady inflow: lag and claims.
+    Stranded(stranded::StrandedArgs),
+    /// The simulated workers (started by `e2e` and `stranded`).
+    Workers(workers::WorkersArgs),
 }
 
 #[derive(clap::Args)]
@@ -157,6 +173,10 @@ fn main() -> Result<(), String> {
         Scenario::Ingest(args) => actix_rt::System::new().block_on(ingest(args)),
         Scenario::Status(args) => actix_rt::System::new().block_on(status(args)),
         Scenario::SqliteSoak(args) => actix_rt::System::new().block_on(sqlite_soak(args)),
+        Scenario::E2e(args) => actix_rt::System::new().block_on(e2e::run(args)),
+        Scenario::Floor(args) => actix_rt::System::new().block_on(floor::run(args)),
+        Scenario::Stranded(args) => actix_rt::System::new().block_on(stranded::run(args)),
+        Scenario::Workers(args) => workers::run(args),
     }
 }
 
@@ -754,34 +774,10 @@ fn replace_database(url: &str, database: &str) -> String {
     }
 }
 
-/// Peak resident set size of this process (VmHWM), in KiB.
 fn peak_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|line| line.starts_with("VmHWM:"))
-                .and_then(|line| line.split_whitespace().nth(1))
-                .and_then(|kib| kib.parse().ok())
-        })
-        .unwrap_or(0)
+    procstat::peak_rss_kib("self")
 }
 
-/// User + system CPU seconds this process has used.
 fn cpu_seconds() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    // Fields after the parenthesised command name; utime and stime are the
-    // 12th and 13th of those.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i).and_then(|v| v.parse::<f64>().ok()))
-        .sum();
-    ticks / 100.0 // USER_HZ is 100 on Linux
+    procstat::cpu_seconds("self")
 }

@@ -1,0 +1,384 @@
+//! `taskbroker-bench e2e`: the whole broker under load, three processes.
+//!
+//! This process runs the mock Kafka cluster (unless `--kafka-brokers`) and
+//! the producer; the broker is the real `taskbroker run` binary; the
+//! workers are `taskbroker-bench workers` (push: WorkerService servers that
+//! report through SetBatchActivationStatus; pull: GetTask loops).
+//!
+//! - Burn-down (default): `--tasks N` are produced before the broker starts;
+//!   throughput is N over the time from the first delivery to the last
+//!   acknowledged report.
+//! - Open loop (`--rate R`): the broker starts first; once its consumer has
+//!   partitions, R tasks/s are produced for `--duration-sec`, whatever the
+//!   broker does, and the run waits for all of them to finish.
+//!
+//! Reported: tasks/s, received→delivered and received→completed latency
+//! (p50/p99/p99.9/max, from each task's `received_at`), the broker's peak
+//! RSS and CPU seconds per 1,000 tasks, the other processes' CPU, and with
+//! PostgreSQL the statements (pg_stat_statements) and WAL bytes per task.
+
+use std::time::{Duration, Instant};
+
+use crate::harness::{
+    BrokerProcess, Kafka, PgCounters, Producer, Scratch, StoreKind, WorkersProcess, metric,
+    print_top_statements, run_id,
+};
+use crate::procstat;
+use crate::workers::Delivery;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct E2eArgs {
+    #[arg(long, value_enum, default_value_t = Delivery::Push)]
+    pub mode: Delivery,
+    #[arg(long, value_enum, default_value_t = StoreKind::Postgres)]
+    pub store: StoreKind,
+    /// Burn-down: tasks produced before the broker starts.
+    #[arg(long, default_value_t = 100_000)]
+    pub tasks: u64,
+    /// Open loop: tasks per second offered for `--duration-sec`.
+    #[arg(long)]
+    pub rate: Option<u64>,
+    #[arg(long, default_value_t = 30)]
+    pub duration_sec: u64,
+    /// Worker servers (push) or GetTask loops (pull).
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Simulated run time of each task.
+    #[arg(long, default_value_t = 0)]
+    pub latency_ms: u64,
+    /// Share of tasks the workers report as FAILURE.
+    #[arg(long, default_value_t = 0.0)]
+    pub failure_rate: f64,
+    #[arg(long, default_value_t = 4)]
+    pub partitions: i32,
+    /// A real Kafka instead of the in-process mock cluster.
+    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
+    pub kafka_brokers: Option<String>,
+    /// Server the scratch database is created on.
+    #[arg(
+        long,
+        env = "TASKBROKER_TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub admin_url: String,
+    /// Give up after this long.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_sec: u64,
+}
+
+pub async fn run(args: E2eArgs) -> Result<(), String> {
+    let run = run_id();
+    let scratch = Scratch::create(args.store, &args.admin_url, &run).await?;
+    let result = run_in(&args, &run, &scratch).await;
+    scratch.remove().await;
+    result
+}
+
+async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), String> {
+    let topic = format!("bench-{run}");
+    let dlq = format!("bench-{run}-dlq");
+    let kafka = Kafka::start(
+        args.kafka_brokers.as_deref(),
+        &[&topic, &dlq],
+        args.partitions,
+    )?;
+    let open_loop = args.rate.is_some();
+    let producer = Producer::new(&kafka.brokers, &topic, if open_loop { 1 } else { 5 })?;
+
+    let worker_args = |extra: &[String]| -> Vec<String> {
+        let mut list = vec![
+            "--mode".to_owned(),
+            args.mode.as_str().to_owned(),
+            "--count".to_owned(),
+            args.workers.to_string(),
+            "--latency-ms".to_owned(),
+            args.latency_ms.to_string(),
+            "--failure-rate".to_owned(),
+            args.failure_rate.to_string(),
+        ];
+        list.extend_from_slice(extra);
+        list
+    };
+    let mut workers = match args.mode {
+        Delivery::Push => Some(WorkersProcess::start(&worker_args(&[]))?),
+        Delivery::Pull => None,
+    };
+
+    if !open_loop {
+        eprintln!("producing {} tasks to {topic}…", args.tasks);
+        for _ in 0..args.tasks {
+            producer.send()?;
+        }
+        producer.flush()?;
+    }
+
+    let mut env = scratch.broker_env();
+    env.extend([
+        ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
+        ("TASKBROKER_KAFKA_TOPIC".to_owned(), topic.clone()),
+        ("TASKBROKER_KAFKA_DLQ_TOPIC".to_owned(), dlq.clone()),
+        (
+            "TASKBROKER_KAFKA_CONSUMER_GROUP".to_owned(),
+            format!("bench-{run}"),
+        ),
+        (
+            "TASKBROKER_KAFKA_AUTO_OFFSET_RESET".to_owned(),
+            "earliest".to_owned(),
+        ),
+        (
+            "TASKBROKER_DELIVERY_MODE".to_owned(),
+            args.mode.as_str().to_owned(),
+        ),
+    ]);
+    if let Some(workers) = &workers {
+        env.push((
+            "TASKBROKER_WORKER_ENDPOINTS".to_owned(),
+            format!("*={}", workers.urls.join("|")),
+        ));
+    }
+    let broker = BrokerProcess::start(&env, run).await?;
+    if workers.is_none() {
+        workers = Some(WorkersProcess::start(&worker_args(&[
+            "--broker".to_owned(),
+            broker.grpc.to_string(),
+        ]))?);
+    }
+    let Some(workers) = workers else {
+        return Err("no workers".to_owned());
+    };
+    let pg = match scratch {
+        Scratch::Postgres {
+            admin_url, name, ..
+        } => Some(PgCounters::start(admin_url, name).await?),
+        Scratch::Sqlite { .. } => None,
+    };
+    let before_metrics = broker.scrape().await?;
+    let cpu = CpuMarks::take(&broker, &workers);
+
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.timeout_sec);
+    let produced_total = match args.rate {
+        None => args.tasks,
+        Some(rate) => {
+            broker.wait_assigned(Duration::from_secs(60)).await?;
+            let duration = Duration::from_secs(args.duration_sec);
+            eprintln!("offering {rate} tasks/s for {} s…", args.duration_sec);
+            let window = Instant::now();
+            let mut sent = 0u64;
+            let mut last_progress = Instant::now();
+            while window.elapsed() < duration {
+                let due = (rate as f64 * window.elapsed().as_secs_f64()) as u64;
+                while sent < due {
+                    producer.send()?;
+                    sent += 1;
+                }
+                if last_progress.elapsed() > Duration::from_secs(5) {
+                    eprintln!(
+                        "  {:.0} s: produced {sent}, completed {}",
+                        window.elapsed().as_secs_f64(),
+                        workers.reported()
+                    );
+                    last_progress = Instant::now();
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            producer.flush()?;
+            sent
+        }
+    };
+    let mut last_progress = Instant::now();
+    while workers.reported() < produced_total {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "timed out: {} of {produced_total} tasks completed (broker log: {})",
+                workers.reported(),
+                broker.log.display()
+            ));
+        }
+        if last_progress.elapsed() > Duration::from_secs(5) {
+            eprintln!(
+                "  delivered {}, completed {} of {produced_total}",
+                workers.delivered(),
+                workers.reported()
+            );
+            last_progress = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let wall = started.elapsed();
+    let used = cpu.since(&broker, &workers);
+    let rss_kib = procstat::peak_rss_kib(&broker.pid());
+    let after_metrics = broker.scrape().await?;
+    let pg_use = match &pg {
+        Some(pg) => Some(pg.finish().await?),
+        None => None,
+    };
+    let (warnings, errors) = broker.log_levels();
+    let log = broker.log.clone();
+    let summary = workers.finish()?;
+    broker.stop().await?;
+
+    let get = |key: &str| summary.get(key).copied().unwrap_or(0);
+    let ms = |key: &str| get(key) as f64 / 1000.0;
+    let first = get("first_delivery_us");
+    let last = get("last_report_us");
+    let busy_secs = (last.saturating_sub(first)) as f64 / 1e6;
+    let tasks = produced_total;
+    let throughput = tasks as f64 / busy_secs.max(1e-6);
+    let store_ops = metric(
+        &after_metrics,
+        "taskbroker_store_operation_duration_seconds_count",
+        "",
+    ) - metric(
+        &before_metrics,
+        "taskbroker_store_operation_duration_seconds_count",
+        "",
+    );
+
+    let shape = match args.rate {
+        None => format!("burn-down of {tasks} tasks"),
+        Some(rate) => format!(
+            "open loop, {rate} tasks/s offered for {} s ({tasks} tasks)",
+            args.duration_sec
+        ),
+    };
+    println!(
+        "\ne2e {} mode, {} store, {shape}; {} workers, {} ms per task, {:.0}% failures",
+        args.mode.as_str(),
+        args.store.as_str(),
+        args.workers,
+        args.latency_ms,
+        args.failure_rate * 100.0
+    );
+    println!(
+        "  throughput: {throughput:.0} tasks/s (first delivery to last report: {busy_secs:.2} s; whole run {:.1} s)",
+        wall.as_secs_f64()
+    );
+    println!(
+        "  received→delivered ms: p50 {:.1}, p99 {:.1}, p99.9 {:.1}, max {:.1}",
+        ms("deliver_p50_us"),
+        ms("deliver_p99_us"),
+        ms("deliver_p999_us"),
+        ms("deliver_max_us")
+    );
+    println!(
+        "  received→completed ms: p50 {:.1}, p99 {:.1}, p99.9 {:.1}, max {:.1}",
+        ms("complete_p50_us"),
+        ms("complete_p99_us"),
+        ms("complete_p999_us"),
+        ms("complete_max_us")
+    );
+    println!(
+        "  deliveries {} (unique {}, duplicates {}), reports acknowledged {} ({} FAILURE), report retries {}",
+        get("delivered"),
+        get("unique"),
+        get("duplicates"),
+        get("reported"),
+        get("failed"),
+        get("report_errors")
+    );
+    let per_k = |secs: f64| secs * 1000.0 / tasks.max(1) as f64;
+    println!(
+        "  broker: peak RSS {:.1} MiB, CPU {:.1} s ({:.3} s per 1,000 tasks)",
+        rss_kib as f64 / 1024.0,
+        used.broker,
+        per_k(used.broker)
+    );
+    println!(
+        "  other CPU: workers {:.1} s ({:.3}/1k), harness + Kafka {:.1} s ({:.3}/1k), whole machine {:.1} s of {:.1} s available",
+        used.workers,
+        per_k(used.workers),
+        used.harness,
+        per_k(used.harness),
+        used.machine,
+        wall.as_secs_f64() * 2.0
+    );
+    println!(
+        "  broker store operations: {:.2} per task",
+        store_ops / tasks.max(1) as f64
+    );
+    if let Some(usage) = &pg_use {
+        match usage.statements {
+            Some(statements) => println!(
+                "  PostgreSQL: {:.2} statements per task, {:.0} WAL bytes per task; most frequent:",
+                statements as f64 / tasks.max(1) as f64,
+                usage.wal_bytes as f64 / tasks.max(1) as f64
+            ),
+            None => println!(
+                "  PostgreSQL: {:.0} WAL bytes per task (pg_stat_statements not loaded)",
+                usage.wal_bytes as f64 / tasks.max(1) as f64
+            ),
+        }
+        print_top_statements(usage, tasks, 8);
+    }
+    println!(
+        "  broker log: {warnings} warnings, {errors} errors ({})",
+        log.display()
+    );
+    let statements = pg_use
+        .as_ref()
+        .and_then(|u| u.statements)
+        .map_or("–".to_owned(), |s| {
+            format!("{:.2}", s as f64 / tasks.max(1) as f64)
+        });
+    let wal = pg_use.as_ref().map_or("–".to_owned(), |u| {
+        format!("{:.0}", u.wal_bytes as f64 / tasks.max(1) as f64)
+    });
+    println!(
+        "\n| mode | store | shape | tasks/s | delivered p50 / p99 / p99.9 ms | completed p50 / p99 / p99.9 ms | stmts/task | WAL B/task | peak RSS MiB | broker CPU s/1k |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| {} | {} | {} | {throughput:.0} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} / {:.1} | {statements} | {wal} | {:.1} | {:.3} |",
+        args.mode.as_str(),
+        args.store.as_str(),
+        match args.rate {
+            None => format!("burn-down {tasks}"),
+            Some(rate) => format!("open {rate}/s × {} s", args.duration_sec),
+        },
+        ms("deliver_p50_us"),
+        ms("deliver_p99_us"),
+        ms("deliver_p999_us"),
+        ms("complete_p50_us"),
+        ms("complete_p99_us"),
+        ms("complete_p999_us"),
+        rss_kib as f64 / 1024.0,
+        per_k(used.broker)
+    );
+    if get("unique") < tasks {
+        return Err(format!(
+            "only {} of {tasks} tasks reached a worker",
+            get("unique")
+        ));
+    }
+    Ok(())
+}
+
+/// CPU seconds used by each party since [`CpuMarks::take`].
+struct CpuMarks {
+    broker: f64,
+    workers: f64,
+    harness: f64,
+    machine: f64,
+}
+
+impl CpuMarks {
+    fn take(broker: &BrokerProcess, workers: &WorkersProcess) -> CpuMarks {
+        CpuMarks {
+            broker: procstat::cpu_seconds(&broker.pid()),
+            workers: workers.cpu_seconds(),
+            harness: procstat::cpu_seconds("self"),
+            machine: procstat::machine_busy_seconds(),
+        }
+    }
+
+    fn since(&self, broker: &BrokerProcess, workers: &WorkersProcess) -> CpuMarks {
+        let now = CpuMarks::take(broker, workers);
+        CpuMarks {
+            broker: now.broker - self.broker,
+            workers: now.workers - self.workers,
+            harness: now.harness - self.harness,
+            machine: now.machine - self.machine,
+        }
+    }
+}

@@ -1,0 +1,667 @@
+//! The pieces the multi-process scenarios (`e2e`, `stranded`) are built
+//! from: Kafka (the in-process mock cluster or a real one), a scratch store,
+//! the broker as a child process (the real `taskbroker` binary), the
+//! workers as another child process, a producer, and PostgreSQL's own
+//! counters.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime};
+
+use rdkafka::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
+use taskbroker::proto::{RetryState, TaskActivation};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::{connect, replace_database};
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    Postgres,
+    Sqlite,
+}
+
+impl StoreKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreKind::Postgres => "PostgreSQL",
+            StoreKind::Sqlite => "SQLite",
+        }
+    }
+}
+
+/// A short random id naming this run's topic, group, database and files.
+pub fn run_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// Kafka for one run: `brokers` given, or librdkafka's mock cluster in this
+/// process (a real Kafka protocol endpoint on loopback).
+pub struct Kafka {
+    _cluster: Option<MockCluster<'static, DefaultProducerContext>>,
+    pub brokers: String,
+}
+
+impl Kafka {
+    pub fn start(brokers: Option<&str>, topics: &[&str], partitions: i32) -> Result<Kafka, String> {
+        match brokers {
+            Some(brokers) => {
+                create_topics(brokers, topics, partitions)?;
+                Ok(Kafka {
+                    _cluster: None,
+                    brokers: brokers.to_owned(),
+                })
+            }
+            None => {
+                let cluster = MockCluster::new(1)
+                    .map_err(|err| format!("cannot start the mock Kafka cluster: {err}"))?;
+                for topic in topics {
+                    cluster
+                        .create_topic(topic, partitions, 1)
+                        .map_err(|err| format!("cannot create topic {topic}: {err}"))?;
+                }
+                Ok(Kafka {
+                    brokers: cluster.bootstrap_servers(),
+                    _cluster: Some(cluster),
+                })
+            }
+        }
+    }
+}
+
+fn create_topics(brokers: &str, topics: &[&str], partitions: i32) -> Result<(), String> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .map_err(|err| format!("cannot reach Kafka at {brokers}: {err}"))?;
+    let new: Vec<NewTopic> = topics
+        .iter()
+        .map(|topic| NewTopic::new(topic, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|err| err.to_string())?;
+    let results = runtime
+        .block_on(admin.create_topics(&new, &AdminOptions::new()))
+        .map_err(|err| format!("cannot create topics: {err}"))?;
+    for result in results {
+        if let Err((topic, code)) = result
+            && code != RDKafkaErrorCode::TopicAlreadyExists
+        {
+            return Err(format!("cannot create topic {topic}: {code}"));
+        }
+    }
+    Ok(())
+}
+
+/// Produces bench activations, `received_at` = the moment each is sent.
+pub struct Producer {
+    inner: ThreadedProducer<DefaultProducerContext>,
+    topic: String,
+}
+
+impl Producer {
+    pub fn new(brokers: &str, topic: &str, linger_ms: u64) -> Result<Producer, String> {
+        let inner = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("linger.ms", linger_ms.to_string())
+            .set("queue.buffering.max.messages", "1000000")
+            .set("queue.buffering.max.kbytes", "1048576")
+            .create()
+            .map_err(|err| format!("cannot create a producer: {err}"))?;
+        Ok(Producer {
+            inner,
+            topic: topic.to_owned(),
+        })
+    }
+
+    pub fn send(&self) -> Result<(), String> {
+        let payload = prost::Message::encode_to_vec(&activation());
+        loop {
+            let record = BaseRecord::<(), [u8]>::to(&self.topic).payload(&payload[..]);
+            match self.inner.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err((err, _)) => return Err(format!("produce: {err}")),
+            }
+        }
+    }
+
+    pub fn flush(&self) -> Result<(), String> {
+        self.inner
+            .flush(Duration::from_secs(60))
+            .map_err(|err| format!("flushing the producer: {err}"))
+    }
+}
+
+/// The activation every scenario produces: a no-op task of the `bench`
+/// application, one attempt, 60 s processing deadline.
+pub fn activation() -> TaskActivation {
+    TaskActivation {
+        id: uuid::Uuid::new_v4().simple().to_string(),
+        namespace: "bench".to_owned(),
+        taskname: "bench.noop".to_owned(),
+        parameters_bytes: vec![0x80; 64],
+        received_at: Some(prost_types::Timestamp::from(SystemTime::now())),
+        retry_state: Some(RetryState {
+            max_attempts: 1,
+            ..Default::default()
+        }),
+        processing_deadline_duration: 60,
+        application: Some("bench".to_owned()),
+        ..Default::default()
+    }
+}
+
+/// A fresh store for one run: a scratch PostgreSQL database, or a scratch
+/// SQLite file. Removed by [`Scratch::remove`].
+pub enum Scratch {
+    Postgres {
+        admin_url: String,
+        name: String,
+        url: String,
+    },
+    Sqlite {
+        path: PathBuf,
+    },
+}
+
+impl Scratch {
+    pub async fn create(kind: StoreKind, admin_url: &str, run: &str) -> Result<Scratch, String> {
+        match kind {
+            StoreKind::Postgres => {
+                let name = format!("taskbroker_bench_{run}");
+                connect(admin_url)
+                    .await?
+                    .batch_execute(&format!("CREATE DATABASE {name}"))
+                    .await
+                    .map_err(|err| format!("cannot create database {name}: {err}"))?;
+                Ok(Scratch::Postgres {
+                    admin_url: admin_url.to_owned(),
+                    url: replace_database(admin_url, &name),
+                    name,
+                })
+            }
+            StoreKind::Sqlite => Ok(Scratch::Sqlite {
+                path: std::env::temp_dir().join(format!("taskbroker-bench-{run}.sqlite")),
+            }),
+        }
+    }
+
+    /// The broker's store settings.
+    pub fn broker_env(&self) -> Vec<(String, String)> {
+        match self {
+            Scratch::Postgres { url, .. } => {
+                vec![("TASKBROKER_DATABASE_URL".to_owned(), url.clone())]
+            }
+            Scratch::Sqlite { path } => vec![(
+                "TASKBROKER_SQLITE_PATH".to_owned(),
+                path.display().to_string(),
+            )],
+        }
+    }
+
+    pub async fn remove(self) {
+        match self {
+            Scratch::Postgres {
+                admin_url, name, ..
+            } => {
+                if let Ok(client) = connect(&admin_url).await {
+                    let _ = client
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await;
+                }
+            }
+            Scratch::Sqlite { path } => {
+                for file in taskbroker::store::SqliteStore::files(&path) {
+                    let _ = std::fs::remove_file(file);
+                }
+            }
+        }
+    }
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .map_err(|err| format!("no free port: {err}"))
+}
+
+/// The `taskbroker` binary built beside this one (`cargo build --release`
+/// builds both).
+fn broker_binary() -> Result<PathBuf, String> {
+    let me = std::env::current_exe().map_err(|err| err.to_string())?;
+    let broker = me.with_file_name("taskbroker");
+    if broker.is_file() {
+        Ok(broker)
+    } else {
+        Err(format!(
+            "{} not found: build it with `cargo build --release` (the harness runs the real broker binary)",
+            broker.display()
+        ))
+    }
+}
+
+/// The real broker, as a child process. Killed if dropped while running.
+pub struct BrokerProcess {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub metrics: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl BrokerProcess {
+    /// Starts `taskbroker run` with the user's environment plus `env`, and
+    /// waits for `/health`. `TASKBROKER_LOG` defaults to `warn`.
+    pub async fn start(env: &[(String, String)], run: &str) -> Result<BrokerProcess, String> {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()?)
+            .parse()
+            .map_err(|err| format!("{err}"))?;
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()?)
+            .parse()
+            .map_err(|err| format!("{err}"))?;
+        let log = std::env::temp_dir().join(format!("taskbroker-bench-{run}-{}.log", grpc.port()));
+        let log_file = std::fs::File::create(&log).map_err(|err| err.to_string())?;
+        let mut command = Command::new(broker_binary()?);
+        command
+            .arg("run")
+            .env_remove("TASKBROKER_DATABASE_URL")
+            .env("TASKBROKER_GRPC_ADDR", grpc.to_string())
+            .env("TASKBROKER_GRPC_ADVERTISED_ADDR", grpc.to_string())
+            .env("TASKBROKER_METRICS_ADDR", metrics.to_string())
+            .env("TASKBROKER_RESTART_GRACE_SEC", "0")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().map_err(|err| err.to_string())?)
+            .stderr(log_file);
+        if std::env::var_os("TASKBROKER_LOG").is_none() {
+            command.env("TASKBROKER_LOG", "warn");
+        }
+        command.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let child = command
+            .spawn()
+            .map_err(|err| format!("cannot start the broker: {err}"))?;
+        let mut broker = BrokerProcess {
+            child,
+            grpc,
+            metrics,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = broker.child.try_wait() {
+                return Err(format!(
+                    "the broker exited at startup ({status}); its log: {}",
+                    broker.log.display()
+                ));
+            }
+            if let Ok((200, _)) = http_get(broker.metrics, "/health").await {
+                return Ok(broker);
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the broker did not become healthy in 60 s; its log: {}",
+                    broker.log.display()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    pub async fn scrape(&self) -> Result<String, String> {
+        match http_get(self.metrics, "/metrics").await {
+            Ok((200, body)) => Ok(body),
+            Ok((status, _)) => Err(format!("/metrics answered {status}")),
+            Err(err) => Err(format!("/metrics: {err}")),
+        }
+    }
+
+    /// Waits until the broker's consumer has partitions assigned.
+    pub async fn wait_assigned(&self, limit: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let text = self.scrape().await?;
+            if metric(&text, "taskbroker_consumer_partitions_assigned", "") > 0.0 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("the broker's consumer was assigned no partition".to_owned());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM, then waits for the graceful stop (killing it after 60 s).
+    pub async fn stop(mut self) -> Result<(), String> {
+        signal(&self.pid(), "TERM")?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) if status.success() => return Ok(()),
+                Ok(Some(status)) => return Err(format!("the broker stopped with {status}")),
+                Ok(None) if Instant::now() > deadline => {
+                    let _ = self.child.kill();
+                    return Err("the broker did not stop within 60 s of SIGTERM".to_owned());
+                }
+                Ok(None) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(err) => return Err(err.to_string()),
+            }
+        }
+    }
+
+    /// WARN and ERROR lines in the broker's log so far.
+    pub fn log_levels(&self) -> (usize, usize) {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let warn = text.lines().filter(|l| l.contains(" WARN ")).count();
+        let error = text.lines().filter(|l| l.contains(" ERROR ")).count();
+        (warn, error)
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Sends `kill -<name>` to `pid`.
+pub fn signal(pid: &str, name: &str) -> Result<(), String> {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid)
+        .status()
+        .map_err(|err| format!("kill -{name} {pid}: {err}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -{name} {pid} failed"))
+    }
+}
+
+enum WorkerLine {
+    Url(String),
+    Ready,
+    Summary(String),
+}
+
+/// `taskbroker-bench workers` as a child process.
+pub struct WorkersProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    pub urls: Vec<String>,
+    lines: mpsc::Receiver<WorkerLine>,
+    delivered: Arc<AtomicU64>,
+    reported: Arc<AtomicU64>,
+}
+
+impl WorkersProcess {
+    /// Starts the workers with `args` (after `workers`) and waits for them
+    /// to be ready.
+    pub fn start(args: &[String]) -> Result<WorkersProcess, String> {
+        let me = std::env::current_exe().map_err(|err| err.to_string())?;
+        let mut child = Command::new(me)
+            .arg("workers")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|err| format!("cannot start the workers: {err}"))?;
+        let stdout = child.stdout.take().ok_or("workers without stdout")?;
+        let (tx, lines) = mpsc::channel();
+        let delivered = Arc::new(AtomicU64::new(0));
+        let reported = Arc::new(AtomicU64::new(0));
+        {
+            let (delivered, reported) = (Arc::clone(&delivered), Arc::clone(&reported));
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    let mut words = line.split_whitespace();
+                    match words.next() {
+                        Some("progress") => {
+                            let mut next = || words.next().and_then(|w| w.parse().ok());
+                            if let (Some(d), Some(r)) = (next(), next()) {
+                                delivered.store(d, Ordering::Relaxed);
+                                reported.store(r, Ordering::Relaxed);
+                            }
+                        }
+                        Some("url") => {
+                            let _ = tx.send(WorkerLine::Url(words.next().unwrap_or("").into()));
+                        }
+                        Some("ready") => {
+                            let _ = tx.send(WorkerLine::Ready);
+                        }
+                        Some("summary") => {
+                            let _ = tx.send(WorkerLine::Summary(line.clone()));
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        }
+        let mut workers = WorkersProcess {
+            stdin: child.stdin.take(),
+            child,
+            urls: Vec::new(),
+            lines,
+            delivered,
+            reported,
+        };
+        loop {
+            match workers.lines.recv_timeout(Duration::from_secs(30)) {
+                Ok(WorkerLine::Url(url)) => workers.urls.push(url),
+                Ok(WorkerLine::Ready) => return Ok(workers),
+                Ok(WorkerLine::Summary(_)) => {}
+                Err(_) => return Err("the workers did not become ready".to_owned()),
+            }
+        }
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    pub fn delivered(&self) -> u64 {
+        self.delivered.load(Ordering::Relaxed)
+    }
+
+    pub fn reported(&self) -> u64 {
+        self.reported.load(Ordering::Relaxed)
+    }
+
+    /// CPU seconds the workers have used so far.
+    pub fn cpu_seconds(&self) -> f64 {
+        crate::procstat::cpu_seconds(&self.pid())
+    }
+
+    /// Closes stdin and returns the summary's `key=value` pairs.
+    pub fn finish(mut self) -> Result<HashMap<String, u64>, String> {
+        drop(self.stdin.take());
+        loop {
+            match self.lines.recv_timeout(Duration::from_secs(30)) {
+                Ok(WorkerLine::Summary(line)) => {
+                    let _ = self.child.wait();
+                    return Ok(line
+                        .split_whitespace()
+                        .filter_map(|pair| pair.split_once('='))
+                        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+                        .collect());
+                }
+                Ok(_) => {}
+                Err(_) => return Err("the workers sent no summary".to_owned()),
+            }
+        }
+    }
+
+    /// SIGKILL: the ports refuse connections until new workers take them.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for WorkersProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Sum of every series of `name` whose labels contain `labels` (`""`: all).
+pub fn metric(text: &str, name: &str, labels: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, series_labels) = match series.split_once('{') {
+                Some((n, l)) => (n, l),
+                None => (series, ""),
+            };
+            (series_name == name && series_labels.contains(labels)).then_some(value)
+        })
+        .filter_map(|value| value.parse::<f64>().ok())
+        .sum()
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status, body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(|_| std::io::Error::other("connect timed out"))??;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut response))
+        .await
+        .map_err(|_| std::io::Error::other("read timed out"))??;
+    let text = String::from_utf8_lossy(&response);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// PostgreSQL's view of a run: statements (pg_stat_statements, when it is
+/// loaded) and WAL bytes written (cluster-wide) since [`PgCounters::start`].
+pub struct PgCounters {
+    client: tokio_postgres::Client,
+    database: String,
+    lsn: String,
+    statements: bool,
+}
+
+pub struct PgUse {
+    /// `None` when pg_stat_statements is not loaded.
+    pub statements: Option<u64>,
+    pub wal_bytes: u64,
+    /// (calls, rows, query) by calls, most first.
+    pub top: Vec<(i64, i64, String)>,
+}
+
+impl PgCounters {
+    pub async fn start(admin_url: &str, database: &str) -> Result<PgCounters, String> {
+        let client = connect(admin_url).await?;
+        let statements = client
+            .batch_execute(
+                "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()",
+            )
+            .await
+            .is_ok();
+        if !statements {
+            eprintln!(
+                "taskbroker-bench: pg_stat_statements is not loaded; statements per task will be missing \
+                 (ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements', then restart PostgreSQL)"
+            );
+        }
+        let lsn: String = client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .map_err(|err| err.to_string())?
+            .get(0);
+        Ok(PgCounters {
+            client,
+            database: database.to_owned(),
+            lsn,
+            statements,
+        })
+    }
+
+    pub async fn finish(&self) -> Result<PgUse, String> {
+        let wal_bytes: i64 = self
+            .client
+            .query_one(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint",
+                &[&self.lsn],
+            )
+            .await
+            .map_err(|err| err.to_string())?
+            .get(0);
+        let mut top = Vec::new();
+        let mut statements = None;
+        if self.statements {
+            let rows = self
+                .client
+                .query(
+                    "SELECT s.calls, s.rows, regexp_replace(s.query, '\\s+', ' ', 'g') \
+                     FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+                     WHERE d.datname = $1 ORDER BY s.calls DESC",
+                    &[&self.database],
+                )
+                .await
+                .map_err(|err| err.to_string())?;
+            statements = Some(rows.iter().map(|row| row.get::<_, i64>(0) as u64).sum());
+            top = rows
+                .iter()
+                .map(|row| (row.get(0), row.get(1), row.get(2)))
+                .collect();
+        }
+        Ok(PgUse {
+            statements,
+            wal_bytes: wal_bytes.max(0) as u64,
+            top,
+        })
+    }
+}
+
+/// Prints the most frequent statements, shortened.
+pub fn print_top_statements(usage: &PgUse, tasks: u64, limit: usize) {
+    for (calls, rows, query) in usage.top.iter().take(limit) {
+        let query: String = query.chars().take(90).collect();
+        println!(
+            "    {:>6.3}/task {:>7.1} rows/call  {query}",
+            *calls as f64 / tasks.max(1) as f64,
+            *rows as f64 / (*calls).max(1) as f64
+        );
+    }
+}

@@ -23,11 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
+use futures::FutureExt as _;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::KafkaResult;
-use rdkafka::message::{Header, Message as _, OwnedHeaders};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -297,13 +298,24 @@ impl ConsumeLoop {
                 message = self.consumer.recv() => {
                     match message {
                         Ok(message) => {
-                            let position = KafkaPosition {
-                                topic: message.topic().to_owned(),
-                                partition: message.partition(),
-                                offset: message.offset(),
-                            };
-                            let payload = message.payload().unwrap_or_default().to_vec();
-                            self.read(&mut batch, payload, position);
+                            self.read_message(&mut batch, &message);
+                            // Take whatever else librdkafka already holds, up
+                            // to a full batch: with INSERT_BATCH_MAX_MS = 0
+                            // the batch is written as soon as nothing more is
+                            // ready, so it grows with the load (records pile
+                            // up while the previous insert runs).
+                            while batch.records() < self.config.batch_size {
+                                match self.consumer.recv().now_or_never() {
+                                    Some(Ok(message)) => self.read_message(&mut batch, &message),
+                                    Some(Err(err)) => {
+                                        self.error_log.maybe(|suppressed| {
+                                            tracing::warn!(error = %err, suppressed, "Kafka consumer error");
+                                        });
+                                        break;
+                                    }
+                                    None => break,
+                                }
+                            }
                         }
                         Err(err) => {
                             // librdkafka repeats errors such as "all brokers
@@ -349,6 +361,16 @@ impl ConsumeLoop {
                 self.metrics.partitions_paused.set(0);
             }
         }
+    }
+
+    fn read_message(&self, batch: &mut Batch, message: &impl rdkafka::message::Message) {
+        let position = KafkaPosition {
+            topic: message.topic().to_owned(),
+            partition: message.partition(),
+            offset: message.offset(),
+        };
+        let payload = message.payload().unwrap_or_default().to_vec();
+        self.read(batch, payload, position);
     }
 
     /// Classifies one record into the batch.

@@ -317,12 +317,12 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "INSERT_BATCH_MAX_MS",
-        default: "50",
+        default: "0",
         allowed: Allowed::Millis {
-            min: 1,
+            min: 0,
             max: 10_000,
         },
-        description: "Longest a partial insert batch waits for more records before it is written.",
+        description: "Longest a partial insert batch waits for more records. 0: it is written as soon as Kafka has no more records ready, so batches grow with the load (one record at a trickle, up to `INSERT_BATCH_SIZE` when records pile up while the previous insert runs) and a record waits for no timer; a positive value trades that latency for fewer, fuller inserts at low rates.",
         secret: false,
     },
     Setting {

@@ -49,7 +49,9 @@ pub struct E2eArgs {
     /// Share of tasks the workers report as FAILURE.
     #[arg(long, default_value_t = 0.0)]
     pub failure_rate: f64,
-    #[arg(long, default_value_t = 4)]
+    /// Partitions of the topic (the mock cluster keeps about 32,000
+    /// records per partition, so a burn-down needs N / 25,000 or more).
+    #[arg(long, default_value_t = 8)]
     pub partitions: i32,
     /// A real Kafka instead of the in-process mock cluster.
     #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
@@ -83,7 +85,22 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         args.partitions,
     )?;
     let open_loop = args.rate.is_some();
-    let producer = Producer::new(&kafka.brokers, &topic, if open_loop { 1 } else { 5 })?;
+    let producer = Producer::new(
+        &kafka.brokers,
+        &topic,
+        args.partitions,
+        if open_loop { 1 } else { 5 },
+    )?;
+    if args.kafka_brokers.is_none()
+        && !open_loop
+        && args.tasks / args.partitions.max(1) as u64 > 25_000
+    {
+        return Err(format!(
+            "the mock cluster keeps about 32,000 records per partition: use --partitions {} or more for {} tasks",
+            args.tasks.div_ceil(25_000),
+            args.tasks
+        ));
+    }
 
     let worker_args = |extra: &[String]| -> Vec<String> {
         let mut list = vec![
@@ -113,6 +130,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     }
 
     let mut env = scratch.broker_env();
+    env.extend(kafka.broker_env());
     env.extend([
         ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
         ("TASKBROKER_KAFKA_TOPIC".to_owned(), topic.clone()),
@@ -137,6 +155,16 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         ));
     }
     let broker = BrokerProcess::start(&env, run).await?;
+    eprintln!(
+        "broker pid {} (metrics http://{}/metrics, log {}){}",
+        broker.pid(),
+        broker.metrics,
+        broker.log.display(),
+        match scratch {
+            Scratch::Postgres { name, .. } => format!(", database {name}"),
+            Scratch::Sqlite { path } => format!(", store {}", path.display()),
+        }
+    );
     if workers.is_none() {
         workers = Some(WorkersProcess::start(&worker_args(&[
             "--broker".to_owned(),
@@ -294,13 +322,17 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         wall.as_secs_f64() * 2.0
     );
     println!(
+        "  pushes by result: {}",
+        crate::harness::push_results(&before_metrics, &after_metrics)
+    );
+    println!(
         "  broker store operations: {:.2} per task",
         store_ops / tasks.max(1) as f64
     );
     if let Some(usage) = &pg_use {
         match usage.statements {
             Some(statements) => println!(
-                "  PostgreSQL: {:.2} statements per task, {:.0} WAL bytes per task; most frequent:",
+                "  PostgreSQL: {:.2} statements per task, {:.0} WAL bytes per task; most execution time:",
                 statements as f64 / tasks.max(1) as f64,
                 usage.wal_bytes as f64 / tasks.max(1) as f64
             ),

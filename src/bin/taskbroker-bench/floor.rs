@@ -116,7 +116,7 @@ async fn run_in(args: &FloorArgs, scratch: &Scratch) -> Result<(), String> {
             statements = format!("{:.3}", count as f64 / tasks.max(1) as f64);
         }
         println!(
-            "  PostgreSQL: {statements} statements per task, {wal} WAL bytes per task; most frequent:"
+            "  PostgreSQL: {statements} statements per task, {wal} WAL bytes per task; most execution time:"
         );
         print_top_statements(&usage, tasks, 8);
     }

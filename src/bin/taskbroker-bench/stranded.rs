@@ -93,7 +93,7 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         &[&topic, &dlq],
         args.partitions,
     )?;
-    let producer = Producer::new(&kafka.brokers, &topic, 1)?;
+    let producer = Producer::new(&kafka.brokers, &topic, args.partitions, 1)?;
     let worker_args = |ports: &[String]| -> Vec<String> {
         let mut list = vec!["--count".to_owned(), args.workers.to_string()];
         if !ports.is_empty() {
@@ -110,6 +110,7 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         .collect();
 
     let mut env = scratch.broker_env();
+    env.extend(kafka.broker_env());
     env.extend([
         ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
         ("TASKBROKER_KAFKA_TOPIC".to_owned(), topic.clone()),
@@ -164,6 +165,7 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
     let started = Instant::now();
     let mut sent = 0u64;
     let mut next_sample = Duration::ZERO;
+    let mut first_metrics: Option<String> = None;
     eprintln!(
         "stranded: {:?} outage, release-on-full {}, {} tasks/s; workers out at {} s, back at {} s, end at {} s",
         args.outage,
@@ -208,6 +210,9 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         if now >= next_sample {
             next_sample += sample_every;
             let text = broker.scrape().await?;
+            if first_metrics.is_none() {
+                first_metrics = Some(text.clone());
+            }
             let row = db
                 .query_one(
                     "SELECT count(*) FILTER (WHERE status = 'Claimed'), \
@@ -232,6 +237,7 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
     }
     producer.flush()?;
     let final_metrics = broker.scrape().await?;
+    let first_metrics = first_metrics.unwrap_or_default();
     let (warnings, errors) = broker.log_levels();
     let log = broker.log.clone();
     let summary = match workers {
@@ -337,6 +343,10 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         "push attempts during the outage: {:.0}/s (before it: {:.0}/s)",
         out_pushes(phase_out.as_secs_f64() + 1.0, phase_back.as_secs_f64()),
         out_pushes(1.0, phase_out.as_secs_f64())
+    );
+    println!(
+        "pushes by result over the run: {}",
+        crate::harness::push_results(&first_metrics, &final_metrics)
     );
     println!(
         "claims released: queue_timeout {}, push_failed {}, lease_expired {}",

@@ -40,6 +40,12 @@ pub struct E2eArgs {
     pub rate: Option<u64>,
     #[arg(long, default_value_t = 30)]
     pub duration_sec: u64,
+    /// The producer's linger.ms (default 1 in open loop, 5 in burn-down).
+    /// Each task's latency starts when it is handed to the producer, so
+    /// this wait is part of it; shorter lingers cost the mock cluster (in
+    /// this process) more CPU.
+    #[arg(long)]
+    pub linger_ms: Option<u64>,
     /// Worker servers (push) or GetTask loops (pull).
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
@@ -89,7 +95,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         &kafka.brokers,
         &topic,
         args.partitions,
-        if open_loop { 1 } else { 5 },
+        args.linger_ms.unwrap_or(if open_loop { 1 } else { 5 }),
     )?;
     if args.kafka_brokers.is_none()
         && !open_loop

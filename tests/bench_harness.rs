@@ -1,0 +1,121 @@
+//! The load harness, scaled down so it runs in CI: each scenario of
+//! `taskbroker-bench` that BENCHMARKS.md quotes runs end to end against
+//! the real broker binary, the mock Kafka cluster and PostgreSQL or SQLite,
+//! and must finish with every task delivered once. Figures are not checked
+//! here (they are measured, not asserted); what is checked is that the
+//! commands in BENCHMARKS.md work and report what they claim to.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_taskbroker-bench"))
+        .args(args)
+        .env_remove("TASKBROKER_DATABASE_URL")
+        .output()
+        .expect("taskbroker-bench runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "taskbroker-bench {args:?} failed ({}):\n{stdout}\n{stderr}",
+        output.status
+    );
+    stdout
+}
+
+#[test]
+fn e2e_push_on_postgres_delivers_every_task_once_and_counts_statements() {
+    let out = bench(&[
+        "e2e",
+        "--tasks",
+        "400",
+        "--partitions",
+        "2",
+        "--workers",
+        "2",
+        "--failure-rate",
+        "0.1",
+        "--timeout-sec",
+        "120",
+    ]);
+    assert!(
+        out.contains("deliveries 400 (unique 400, duplicates 0)"),
+        "{out}"
+    );
+    assert!(out.contains("reports acknowledged 400"), "{out}");
+    // Statements per task need pg_stat_statements preloaded; WAL bytes are
+    // always there.
+    assert!(out.contains("WAL bytes per task"), "{out}");
+    assert!(
+        out.contains("| push | PostgreSQL | burn-down 400 |"),
+        "{out}"
+    );
+}
+
+#[test]
+fn e2e_pull_open_loop_on_sqlite_delivers_every_task_once() {
+    let out = bench(&[
+        "e2e",
+        "--mode",
+        "pull",
+        "--store",
+        "sqlite",
+        "--rate",
+        "100",
+        "--duration-sec",
+        "3",
+        "--workers",
+        "4",
+        "--partitions",
+        "2",
+        "--timeout-sec",
+        "120",
+    ]);
+    assert!(out.contains("duplicates 0)"), "{out}");
+    assert!(
+        out.contains("| pull | SQLite | open 100/s × 3 s |"),
+        "{out}"
+    );
+}
+
+#[test]
+fn floor_runs_on_both_stores() {
+    for store in ["postgres", "sqlite"] {
+        let out = bench(&["floor", "--store", store, "--tasks", "2000"]);
+        assert!(out.contains("2000 tasks in batches of 256"), "{out}");
+    }
+}
+
+#[test]
+fn stranded_scenario_keeps_claims_within_their_path_when_workers_freeze() {
+    let out = bench(&[
+        "stranded",
+        "--outage",
+        "freeze",
+        "--rate",
+        "100",
+        "--before-sec",
+        "2",
+        "--outage-sec",
+        "3",
+        "--after-sec",
+        "5",
+        "--workers",
+        "2",
+        "--partitions",
+        "2",
+    ]);
+    assert!(out.contains("legitimate path 17.0 s: within"), "{out}");
+    assert!(out.contains("| 3 | OUT |"), "{out}");
+}
+
+#[test]
+fn e2e_refuses_a_burn_down_the_mock_cluster_cannot_hold() {
+    let output = Command::new(env!("CARGO_BIN_EXE_taskbroker-bench"))
+        .args(["e2e", "--tasks", "100000", "--partitions", "2"])
+        .output()
+        .expect("taskbroker-bench runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--partitions 4 or more"), "{stderr}");
+}

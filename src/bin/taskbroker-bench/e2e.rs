@@ -20,8 +20,8 @@
 use std::time::{Duration, Instant};
 
 use crate::harness::{
-    BrokerProcess, Kafka, PgCounters, Producer, Scratch, StoreKind, WorkersProcess, metric,
-    print_top_statements, run_id,
+    BrokerProcess, Kafka, PgCounters, Producer, Scratch, StoreKind, Topics, WorkersProcess,
+    broker_env, metric, print_top_statements, run_id,
 };
 use crate::procstat;
 use crate::workers::Delivery;
@@ -83,17 +83,17 @@ pub async fn run(args: E2eArgs) -> Result<(), String> {
 }
 
 async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), String> {
-    let topic = format!("bench-{run}");
-    let dlq = format!("bench-{run}-dlq");
+    let topics = Topics::new("bench", run);
+    let topic = &topics.topic;
     let kafka = Kafka::start(
         args.kafka_brokers.as_deref(),
-        &[&topic, &dlq],
+        &[topic, &topics.dlq],
         args.partitions,
     )?;
     let open_loop = args.rate.is_some();
     let producer = Producer::new(
         &kafka.brokers,
-        &topic,
+        topic,
         args.partitions,
         args.linger_ms.unwrap_or(if open_loop { 1 } else { 5 }),
     )?;
@@ -135,25 +135,11 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         producer.flush()?;
     }
 
-    let mut env = scratch.broker_env();
-    env.extend(kafka.broker_env());
-    env.extend([
-        ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
-        ("TASKBROKER_KAFKA_TOPIC".to_owned(), topic.clone()),
-        ("TASKBROKER_KAFKA_DLQ_TOPIC".to_owned(), dlq.clone()),
-        (
-            "TASKBROKER_KAFKA_CONSUMER_GROUP".to_owned(),
-            format!("bench-{run}"),
-        ),
-        (
-            "TASKBROKER_KAFKA_AUTO_OFFSET_RESET".to_owned(),
-            "earliest".to_owned(),
-        ),
-        (
-            "TASKBROKER_DELIVERY_MODE".to_owned(),
-            args.mode.as_str().to_owned(),
-        ),
-    ]);
+    let mut env = broker_env(scratch, &kafka, &topics);
+    env.push((
+        "TASKBROKER_DELIVERY_MODE".to_owned(),
+        args.mode.as_str().to_owned(),
+    ));
     if let Some(workers) = &workers {
         env.push((
             "TASKBROKER_WORKER_ENDPOINTS".to_owned(),

@@ -270,6 +270,44 @@ impl Scratch {
     }
 }
 
+/// The Kafka names of one run: topic, dead-letter topic, consumer group.
+pub struct Topics {
+    pub topic: String,
+    pub dlq: String,
+    pub group: String,
+}
+
+impl Topics {
+    pub fn new(prefix: &str, run: &str) -> Topics {
+        Topics {
+            topic: format!("{prefix}-{run}"),
+            dlq: format!("{prefix}-{run}-dlq"),
+            group: format!("{prefix}-{run}"),
+        }
+    }
+}
+
+/// The broker settings every multi-process scenario starts from: its
+/// store, Kafka and this run's topics, read from the earliest offset.
+pub fn broker_env(scratch: &Scratch, kafka: &Kafka, topics: &Topics) -> Vec<(String, String)> {
+    let mut env = scratch.broker_env();
+    env.extend(kafka.broker_env());
+    env.extend([
+        ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
+        ("TASKBROKER_KAFKA_TOPIC".to_owned(), topics.topic.clone()),
+        ("TASKBROKER_KAFKA_DLQ_TOPIC".to_owned(), topics.dlq.clone()),
+        (
+            "TASKBROKER_KAFKA_CONSUMER_GROUP".to_owned(),
+            topics.group.clone(),
+        ),
+        (
+            "TASKBROKER_KAFKA_AUTO_OFFSET_RESET".to_owned(),
+            "earliest".to_owned(),
+        ),
+    ]);
+    env
+}
+
 /// A free loopback port (bound, then released).
 pub fn free_port() -> Result<u16, String> {
     std::net::TcpListener::bind("127.0.0.1:0")

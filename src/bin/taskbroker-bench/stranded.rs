@@ -23,7 +23,8 @@ use taskbroker::config::Config;
 
 use crate::connect;
 use crate::harness::{
-    BrokerProcess, Kafka, Producer, Scratch, StoreKind, WorkersProcess, metric, run_id, signal,
+    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, metric,
+    run_id, signal,
 };
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,14 +87,13 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
     let Scratch::Postgres { url, .. } = scratch else {
         return Err("the stranded-claim scenario reads claims from PostgreSQL".to_owned());
     };
-    let topic = format!("stranded-{run}");
-    let dlq = format!("stranded-{run}-dlq");
+    let topics = Topics::new("stranded", run);
     let kafka = Kafka::start(
         args.kafka_brokers.as_deref(),
-        &[&topic, &dlq],
+        &[&topics.topic, &topics.dlq],
         args.partitions,
     )?;
-    let producer = Producer::new(&kafka.brokers, &topic, args.partitions, 1)?;
+    let producer = Producer::new(&kafka.brokers, &topics.topic, args.partitions, 1)?;
     let worker_args = |ports: &[String]| -> Vec<String> {
         let mut list = vec!["--count".to_owned(), args.workers.to_string()];
         if !ports.is_empty() {
@@ -109,20 +109,8 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         .filter_map(|url| url.rsplit(':').next().map(str::to_owned))
         .collect();
 
-    let mut env = scratch.broker_env();
-    env.extend(kafka.broker_env());
+    let mut env = broker_env(scratch, &kafka, &topics);
     env.extend([
-        ("TASKBROKER_KAFKA_BROKERS".to_owned(), kafka.brokers.clone()),
-        ("TASKBROKER_KAFKA_TOPIC".to_owned(), topic.clone()),
-        ("TASKBROKER_KAFKA_DLQ_TOPIC".to_owned(), dlq),
-        (
-            "TASKBROKER_KAFKA_CONSUMER_GROUP".to_owned(),
-            format!("stranded-{run}"),
-        ),
-        (
-            "TASKBROKER_KAFKA_AUTO_OFFSET_RESET".to_owned(),
-            "earliest".to_owned(),
-        ),
         (
             "TASKBROKER_WORKER_ENDPOINTS".to_owned(),
             format!("*={}", urls.join("|")),

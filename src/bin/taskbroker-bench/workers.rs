@@ -266,6 +266,21 @@ impl WorkerService for PushHandler {
 async fn reporter(mut reports: mpsc::UnboundedReceiver<Report>, stats: Arc<Stats>, batch: usize) {
     let in_flight = Arc::new(Semaphore::new(4));
     let mut clients = std::collections::HashMap::<String, ConsumerServiceClient<Channel>>::new();
+    let mut client_for = |callback: &str| -> Option<ConsumerServiceClient<Channel>> {
+        if let Some(client) = clients.get(callback) {
+            return Some(client.clone());
+        }
+        match client(callback) {
+            Ok(new) => {
+                clients.insert(callback.to_owned(), new.clone());
+                Some(new)
+            }
+            Err(err) => {
+                eprintln!("workers: {err}");
+                None
+            }
+        }
+    };
     while let Some(first) = reports.recv().await {
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
             return;
@@ -275,34 +290,21 @@ async fn reporter(mut reports: mpsc::UnboundedReceiver<Report>, stats: Arc<Stats
         while group.len() < batch.max(1) {
             match reports.try_recv() {
                 Ok(report) if report.callback == callback => group.push(report),
-                Ok(report) => {
-                    // Another broker: report it on its own.
-                    let client = match clients.get(&report.callback) {
-                        Some(client) => client.clone(),
-                        None => match client(&report.callback) {
-                            Ok(c) => c,
-                            Err(_) => continue,
-                        },
-                    };
-                    clients.insert(report.callback.clone(), client.clone());
-                    tokio::spawn(send_reports(client, vec![report], Arc::clone(&stats)));
-                }
+                // Another broker: report it on its own.
+                Ok(report) => match client_for(&report.callback) {
+                    Some(client) => {
+                        tokio::spawn(send_reports(client, vec![report], Arc::clone(&stats)));
+                    }
+                    None => {
+                        stats.report_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                },
                 Err(_) => break,
             }
         }
-        let client = match clients.get(&callback) {
-            Some(client) => client.clone(),
-            None => match client(&callback) {
-                Ok(client) => {
-                    clients.insert(callback.clone(), client.clone());
-                    client
-                }
-                Err(err) => {
-                    eprintln!("workers: {err}");
-                    stats.report_errors.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-            },
+        let Some(client) = client_for(&callback) else {
+            stats.report_errors.fetch_add(1, Ordering::Relaxed);
+            continue;
         };
         let stats = Arc::clone(&stats);
         tokio::spawn(async move {

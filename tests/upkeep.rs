@@ -433,6 +433,14 @@ async fn due_delays_become_pending() {
         "a delay was released before its delay_until"
     );
     assert_eq!(harness.status("later").await, Some(ActivationStatus::Delay));
+    // Upkeep counts a transition after its statement commits, so the rows
+    // can be seen Pending a moment before the counter moves.
+    common::wait_until(
+        "both delay releases are counted",
+        std::time::Duration::from_secs(10),
+        || async { harness.transitions("release_delayed") >= 2 },
+    )
+    .await;
     assert_eq!(harness.transitions("release_delayed"), 2);
 }
 

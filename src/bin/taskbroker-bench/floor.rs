@@ -169,24 +169,33 @@ async fn one_loop(
             tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
         }
-        let tokens: Vec<_> = claimed.iter().filter_map(|row| row.claim_token()).collect();
-        store
-            .mark_processing(&tokens, Duration::from_secs(5))
-            .await
-            .map_err(|e| e.to_string())?;
-        let updates: Vec<StatusUpdate> = claimed
-            .into_iter()
-            .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))
-            .collect();
-        let done = updates.len() as u64;
-        store
-            .set_status(&updates)
-            .await
-            .map_err(|e| e.to_string())?;
+        let done = process_and_complete(store.as_ref(), claimed).await?;
         store
             .remove_completed(batch)
             .await
             .map_err(|e| e.to_string())?;
         completed.fetch_add(done, Ordering::Relaxed);
     }
+}
+
+/// What a worker's run does to claimed rows, in one statement each: mark
+/// them Processing, then Complete. Returns how many rows there were.
+pub async fn process_and_complete(
+    store: &dyn ActivationStore,
+    claimed: Vec<taskbroker::store::InflightActivation>,
+) -> Result<u64, String> {
+    let tokens: Vec<_> = claimed.iter().filter_map(|row| row.claim_token()).collect();
+    store
+        .mark_processing(&tokens, Duration::from_secs(5))
+        .await
+        .map_err(|e| e.to_string())?;
+    let updates: Vec<StatusUpdate> = claimed
+        .into_iter()
+        .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))
+        .collect();
+    store
+        .set_status(&updates)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(updates.len() as u64)
 }

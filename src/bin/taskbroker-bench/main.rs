@@ -597,9 +597,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
 }
 
 async fn sqlite_soak(args: SoakArgs) -> Result<(), String> {
-    use taskbroker::store::{
-        BucketRange, SqliteStore, SqliteStoreConfig, StatusUpdate, WorkerStatus,
-    };
+    use taskbroker::store::{BucketRange, SqliteStore, SqliteStoreConfig};
 
     let scratch = args.path.is_none();
     let path = args.path.clone().unwrap_or_else(|| {
@@ -660,19 +658,7 @@ async fn sqlite_soak(args: SoakArgs) -> Result<(), String> {
             .claim_for_push(BucketRange::ALL, n, Duration::from_secs(60))
             .await
             .map_err(|e| e.to_string())?;
-        let tokens: Vec<_> = claimed.iter().filter_map(|row| row.claim_token()).collect();
-        store
-            .mark_processing(&tokens, Duration::from_secs(5))
-            .await
-            .map_err(|e| e.to_string())?;
-        let updates: Vec<StatusUpdate> = claimed
-            .into_iter()
-            .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))
-            .collect();
-        store
-            .set_status(&updates)
-            .await
-            .map_err(|e| e.to_string())?;
+        floor::process_and_complete(store.as_ref(), claimed).await?;
         done += n;
         peak = peak.max(on_disk(&path));
         if done >= next_report || done == args.tasks {

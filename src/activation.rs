@@ -27,6 +27,46 @@ pub enum ActivationError {
     OutOfRange { field: &'static str, value: u64 },
     #[error("record of {bytes} bytes is larger than the {limit}-byte limit")]
     TooLarge { bytes: usize, limit: usize },
+    #[error("{field} {problem}")]
+    InvalidText {
+        field: &'static str,
+        problem: TextProblem,
+    },
+}
+
+/// Longest activation id either store accepts, in bytes. Ids are UUIDs in
+/// practice (32–36 bytes); the bound keeps every key well inside
+/// PostgreSQL's B-tree entry limit (about 2,700 bytes) and out of the way of
+/// hostile input.
+pub const MAX_ID_BYTES: usize = 256;
+/// Longest namespace, application or task name, in bytes (same reasons).
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// What is wrong with a text field from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TextProblem {
+    #[error("contains a NUL character")]
+    Nul,
+    #[error("is {bytes} bytes long, more than the {limit}-byte limit")]
+    TooLong { bytes: usize, limit: usize },
+}
+
+/// Checks a text field that a store keeps in a TEXT column (and indexes):
+/// no NUL character (PostgreSQL refuses it) and at most `limit` bytes.
+/// Valid UTF-8 is already guaranteed by `&str` (prost refuses invalid UTF-8
+/// at decode).
+pub fn check_text(field: &'static str, value: &str, limit: usize) -> Result<(), ActivationError> {
+    let problem = if value.len() > limit {
+        TextProblem::TooLong {
+            bytes: value.len(),
+            limit,
+        }
+    } else if value.contains('\0') {
+        TextProblem::Nul
+    } else {
+        return Ok(());
+    };
+    Err(ActivationError::InvalidText { field, problem })
 }
 
 impl ActivationError {
@@ -40,6 +80,7 @@ impl ActivationError {
             ActivationError::InvalidReceivedAt { .. } => "invalid_timestamp",
             ActivationError::OutOfRange { .. } => "out_of_range",
             ActivationError::TooLarge { .. } => "too_large",
+            ActivationError::InvalidText { .. } => "invalid_text",
         }
     }
 }
@@ -330,6 +371,25 @@ mod tests {
         assert_eq!(
             err(&huge_deadline.encode_to_vec()).unwrap_err().reason(),
             "out_of_range"
+        );
+    }
+
+    #[test]
+    fn text_checks_refuse_nul_and_overlong_values() {
+        assert_eq!(check_text("id", "abc", MAX_ID_BYTES), Ok(()));
+        assert_eq!(
+            check_text("namespace", "a\0b", MAX_NAME_BYTES),
+            Err(ActivationError::InvalidText {
+                field: "namespace",
+                problem: TextProblem::Nul
+            })
+        );
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        let err = check_text("id", &long, MAX_ID_BYTES).unwrap_err();
+        assert_eq!(err.reason(), "invalid_text");
+        assert_eq!(
+            err.to_string(),
+            "id is 257 bytes long, more than the 256-byte limit"
         );
     }
 

@@ -107,6 +107,7 @@ pub mod labels {
         "invalid_timestamp",
         "out_of_range",
         "too_large",
+        "invalid_text",
     ];
     /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
     /// `result` of `taskbroker_published_total`.

@@ -578,8 +578,18 @@ fn render_effective_and_debug_redact_secrets() {
         ("TASKBROKER_GRPC_SHARED_SECRETS", "hunter2,hunter3"),
         ("TASKBROKER_KAFKA_CONFIG", "sasl.password=hunter2"),
         ("TASKBROKER_CLAIM_LEASE_MS", "30000"),
+        (
+            "TASKBROKER_WORKER_ENDPOINTS",
+            "billing=http://svc:hunter2@billing:50052;*=http://token-hunter4@worker:50052",
+        ),
     ]);
     let rendered = config.render_effective();
+    assert!(
+        rendered.contains(
+            "TASKBROKER_WORKER_ENDPOINTS=billing=http://<redacted>@billing:50052;*=http://<redacted>@worker:50052\n"
+        ),
+        "{rendered}"
+    );
     for secret in SETTINGS.iter().filter(|s| s.secret) {
         let line = format!("{}={REDACTED}", secret.variable());
         assert!(rendered.lines().any(|l| l == line), "{rendered}");
@@ -589,6 +599,17 @@ fn render_effective_and_debug_redact_secrets() {
     let debug = format!("{config:?}");
     assert!(!debug.contains("hunter"), "{debug}");
     assert!(debug.contains(REDACTED), "{debug}");
+}
+
+#[test]
+fn a_refused_worker_endpoint_is_shown_without_its_credentials() {
+    let err = parse_err(&[(
+        "TASKBROKER_WORKER_ENDPOINTS",
+        "billing=https://svc:hunter2@billing:50052",
+    )]);
+    let text = err.to_string();
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("https://<redacted>@billing:50052"), "{text}");
 }
 
 #[test]

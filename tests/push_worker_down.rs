@@ -34,9 +34,15 @@ impl Write for CapturedLogs {
 }
 
 impl CapturedLogs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
     fn count(&self, needle: &str) -> usize {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines().filter(|line| line.contains(needle)).count()
+        self.text()
+            .lines()
+            .filter(|line| line.contains(needle))
+            .count()
     }
 }
 
@@ -72,7 +78,12 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
             max_attempts: 5,
             callback_url: "broker.test:50051".to_owned(),
             signing_secret: None,
-            endpoints: WorkerEndpoints::parse(&format!("*={}", worker.url())).unwrap(),
+            // Credentials in the URL must never reach a log line.
+            endpoints: WorkerEndpoints::parse(&format!(
+                "*={}",
+                worker.url().replace("http://", "http://svc:hunter2@")
+            ))
+            .unwrap(),
         },
     };
     let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics)).unwrap();
@@ -140,6 +151,13 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
         "{attempts_while_down} push attempts to a dead worker in 3 s"
     );
     assert!(attempts_while_down > 0);
+    let text = logs.text();
+    assert!(!text.contains("hunter2"), "credentials logged: {text}");
+    assert!(
+        text.lines()
+            .any(|line| line.contains(FAILURE_LOG) && line.contains("http://<redacted>@127.0.0.1")),
+        "{text}"
+    );
     assert!(
         log_lines_while_down <= 1,
         "{log_lines_while_down} failure log lines in 3 s"

@@ -359,7 +359,8 @@ impl Router {
                 return Ok(Arc::clone(existing));
             }
             let created = Arc::new(WorkerEndpoint {
-                url: url.to_owned(),
+                // Only for logs: credentials in the URL never reach them.
+                url: crate::config::redact_url(url).into_owned(),
                 client: WorkerClient::connect_lazy(url, connect_timeout)?,
                 health: Mutex::new(Health::default()),
             });

@@ -13,7 +13,7 @@
 mod endpoints;
 mod reference;
 
-pub use endpoints::WorkerEndpoints;
+pub use endpoints::{WorkerEndpoints, redact_url};
 pub use reference::reference_markdown;
 
 use std::collections::HashMap;
@@ -736,7 +736,7 @@ impl Config {
             "METRICS_ADDR" => text(self.metrics_addr),
             "GRPC_SHARED_SECRETS" => list(&self.grpc_shared_secrets),
             "GRPC_MAX_REQUEST_BYTES" => text(self.grpc_max_request_bytes),
-            "WORKER_ENDPOINTS" => text(&self.worker_endpoints),
+            "WORKER_ENDPOINTS" => text(self.worker_endpoints.redacted()),
             "FETCH_ACTORS" => text(self.fetch_actors),
             "FETCH_BATCH_SIZE" => text(self.fetch_batch_size),
             "FETCH_BACKOFF_MS" => ms(self.fetch_backoff),
@@ -807,15 +807,16 @@ pub struct Problem {
 
 impl Problem {
     fn new(setting: &Setting, value: &str, message: String) -> Self {
+        // Worker URLs may carry credentials (`user:pass@`): never echo them.
         let value = if setting.secret {
             REDACTED.to_owned()
         } else {
-            printable(value)
+            printable(&redact_url(value))
         };
         Self {
             variable: setting.variable(),
             value,
-            message: printable(&message),
+            message: printable(&redact_url(&message)),
         }
     }
 

@@ -135,13 +135,23 @@ impl WorkerClient {
     pub fn check_url(url: &str) -> Result<(), String> {
         Endpoint::from_shared(url.to_owned())
             .map(drop)
-            .map_err(|err| format!("invalid worker URL {url}: {err}"))
+            .map_err(|err| {
+                format!(
+                    "invalid worker URL {}: {err}",
+                    crate::config::redact_url(url)
+                )
+            })
     }
 
     /// Must be called inside a Tokio runtime (the channel spawns its worker).
     pub fn connect_lazy(url: &str, connect_timeout: Duration) -> Result<Self, String> {
         let endpoint = Endpoint::from_shared(url.to_owned())
-            .map_err(|err| format!("invalid worker URL {url}: {err}"))?
+            .map_err(|err| {
+                format!(
+                    "invalid worker URL {}: {err}",
+                    crate::config::redact_url(url)
+                )
+            })?
             .connect_timeout(connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))

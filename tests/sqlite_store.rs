@@ -102,6 +102,22 @@ async fn a_second_store_on_the_same_file_is_refused_until_the_first_closes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_file_reached_through_a_symlink_is_refused_too() {
+    let db = TestSqlite::new();
+    let _first = db.store().await;
+    let link = db.path.with_extension("link.sqlite");
+    std::os::unix::fs::symlink(&db.path, &link).expect("symlink");
+    let mut config = db.store_config();
+    config.path = link.clone();
+    let err = SqliteStore::open(&config).err();
+    let _ = std::fs::remove_file(&link);
+    match err {
+        Some(StoreError::Config(message)) => assert!(message.contains("in use"), "{message}"),
+        other => panic!("a second process got the file through a symlink: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_operation_rolls_back_alone_within_a_group_commit() {
     let db = TestSqlite::new();
     let store: Arc<dyn ActivationStore> = db.store().await;

@@ -237,7 +237,29 @@ fn writer_gone(operation: &'static str) -> StoreError {
     }
 }
 
+/// The path every name of one database file shares: symlinks and `..` resolved. The file may
+/// not exist yet, so its directory is resolved and the name joined back.
+fn canonical_path(path: &Path) -> StoreResult<PathBuf> {
+    let resolve = |p: &Path| {
+        std::fs::canonicalize(p).map_err(|err| {
+            StoreError::Config(format!("cannot resolve SQLite path {}: {err}", p.display()))
+        })
+    };
+    if path.exists() {
+        return resolve(path);
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    let name = path.file_name().ok_or_else(|| {
+        StoreError::Config(format!("SQLite path {} names no file", path.display()))
+    })?;
+    Ok(resolve(parent.unwrap_or(Path::new(".")))?.join(name))
+}
+
+/// Locks `<file>.lock` beside the database, keyed on the file's canonical path, so a second
+/// process reaching the same file by another name (a symlink, a relative path) is refused too.
 fn lock_for_this_process(path: &Path) -> StoreResult<std::fs::File> {
+    let path = canonical_path(path)?;
+    let path = path.as_path();
     let mut lock_path = path.as_os_str().to_owned();
     lock_path.push(".lock");
     let lock_path = PathBuf::from(lock_path);

@@ -64,7 +64,8 @@ pub struct Metrics {
     /// result (ok, error).
     pub published: IntCounterVec,
     /// Worker status reports, by status (complete, retry, failure) and
-    /// result (updated, ignored, missing, invalid).
+    /// result (updated, ignored, missing, invalid; late: updated by a report
+    /// that likely came from an earlier delivery).
     pub status_updates: IntCounterVec,
 }
 
@@ -166,6 +167,7 @@ pub mod labels {
         ("any", "updated"),
         ("any", "ignored"),
         ("any", "missing"),
+        ("any", "late"),
     ];
     /// The `operation` of the store metrics (StoreActor messages).
     pub const STORE_OPERATIONS: &[&str] = &[
@@ -472,6 +474,7 @@ impl Metrics {
             ("updated", outcome.updated),
             ("ignored", outcome.ignored),
             ("missing", outcome.missing),
+            ("late", outcome.late),
         ] {
             self.status_updates
                 .with_label_values(&["any", result])

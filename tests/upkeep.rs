@@ -16,6 +16,7 @@ use common::{TestDb, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
 use taskbroker::actors::StoreActor;
+use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig};
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
@@ -752,4 +753,88 @@ async fn kafka_outage_does_not_hold_back_the_other_steps() {
         Some(ActivationStatus::Failure)
     );
     harness.kafka.cluster.broker_up(1).expect("broker up");
+}
+
+// ------------------------------------------------------------ republishing
+
+/// A consumer of `topic` into the harness's store, with its own metrics.
+fn ingest(harness: &Harness, topic: &str) -> (Addr<ConsumerActor>, Arc<Metrics>) {
+    harness.kafka.create_topic("ingest-dlq", 1);
+    let metrics = Arc::new(Metrics::new());
+    let config = ConsumerConfig {
+        kafka: harness.kafka.settings(),
+        topic: topic.to_owned(),
+        group: "ingest".to_owned(),
+        auto_offset_reset: "earliest".to_owned(),
+        ingest_dlq_topic: "ingest-dlq".to_owned(),
+        batch_size: 256,
+        batch_max_wait: Duration::from_millis(20),
+        max_inflight: 1_000_000,
+        max_delay: Duration::from_secs(3600),
+        max_activation_bytes: 1 << 20,
+        crash_before_commit_after: None,
+    };
+    let actor = ConsumerActor::new(
+        config,
+        harness.store_actor.clone(),
+        vec![],
+        Arc::clone(&metrics),
+    );
+    (actor.start(), metrics)
+}
+
+#[actix_rt::test]
+async fn a_retry_published_again_keeps_its_id_and_is_stored_once() {
+    let harness = Harness::new().await;
+    let (original, row) = retry_row(0);
+    harness.insert(std::slice::from_ref(&row)).await;
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until(
+        "the retry is published and its row finished",
+        WAIT,
+        || async {
+            harness.published("retry", "ok") == 1
+                && harness.status(&original.id).await != Some(ActivationStatus::Retry)
+        },
+    )
+    .await;
+
+    // A broker that died after Kafka's acknowledgement and before marking
+    // the row published: the row is still Retry, and is published again.
+    harness
+        .store
+        .delete_batch(std::slice::from_ref(&original.id))
+        .await
+        .expect("delete");
+    harness.insert(std::slice::from_ref(&row)).await;
+    wait_until("the retry is published a second time", WAIT, || async {
+        harness.published("retry", "ok") == 2
+            && harness.status(&original.id).await != Some(ActivationStatus::Retry)
+    })
+    .await;
+
+    let records = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(records.len(), 2);
+    let ids: Vec<String> = records
+        .iter()
+        .map(|record| {
+            TaskActivation::decode(payload(record).as_slice())
+                .expect("a TaskActivation")
+                .id
+        })
+        .collect();
+    assert_eq!(ids[0], ids[1], "both publications carry the same id");
+    assert_ne!(ids[0], original.id);
+    assert_eq!(records[0].key(), records[1].key());
+
+    let (_consumer, ingested) = ingest(&harness, RETRY_TOPIC);
+    wait_until("ingest has read both records", WAIT, || {
+        let read = Metrics::count(&ingested.consumer_records, "stored")
+            + Metrics::count(&ingested.consumer_records, "duplicate");
+        async move { read == 2 }
+    })
+    .await;
+    assert_eq!(Metrics::count(&ingested.consumer_records, "stored"), 1);
+    assert_eq!(Metrics::count(&ingested.consumer_records, "duplicate"), 1);
+    assert!(harness.get(&ids[0]).await.is_some(), "the retry is stored");
 }

@@ -331,10 +331,11 @@ impl Cycle {
             async move {
                 let (key, payload) = match kind {
                     PublishKind::DeadLetter => (row.id.clone(), row.activation),
+                    // The retry's id follows from the row's id and attempt,
+                    // so publishing the same row again yields the same id.
                     PublishKind::Retry => {
-                        let new_id = uuid::Uuid::new_v4().to_string();
-                        match retry_activation(&row.activation, new_id.clone(), now) {
-                            Ok(bytes) => (new_id, bytes),
+                        match retry_activation(&row.activation, now) {
+                            Ok(retry) => retry,
                             Err(err) => {
                                 // Cannot happen for rows that passed ingest;
                                 // completing it is the only way not to loop.

@@ -1,7 +1,8 @@
 //! The UpkeepActor drives the timed transitions of the activation lifecycle
 //! (DESIGN.md, "Activation lifecycle") and publishes retries and dead letters
 //! (PROTOCOL.md, "Kafka payloads"). Every transition here is made by the
-//! actor itself, against real PostgreSQL and librdkafka's mock cluster.
+//! actor itself, against a real store (PostgreSQL, and SQLite where the
+//! behaviour is the store's) and librdkafka's mock cluster.
 
 mod common;
 
@@ -12,7 +13,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use chrono::{TimeDelta, Utc};
 use common::kafka::{MockKafka, payload};
-use common::{TestDb, now, row, row_from, rows, task, wait_until};
+use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
 use taskbroker::actors::StoreActor;
@@ -35,16 +36,20 @@ const WAIT: Duration = Duration::from_secs(10);
 const MANUAL: Duration = Duration::from_secs(3600);
 
 struct Harness {
-    db: TestDb,
+    db: TestStore,
     kafka: MockKafka,
-    store: Arc<PostgresStore>,
+    store: Arc<dyn ActivationStore>,
     store_actor: Addr<StoreActor>,
     metrics: Arc<Metrics>,
 }
 
 impl Harness {
     async fn new() -> Harness {
-        let db = TestDb::new().await;
+        Harness::on(Backend::Postgres).await
+    }
+
+    async fn on(backend: Backend) -> Harness {
+        let db = TestStore::new(backend).await;
         let store = db.store().await;
         let metrics = Arc::new(Metrics::new());
         let store_actor = start_store_actor(store.clone(), Arc::clone(&metrics));
@@ -75,6 +80,10 @@ impl Harness {
     }
 
     fn start_upkeep(&self, config: UpkeepConfig) -> Addr<UpkeepActor> {
+        self.upkeep(config).start()
+    }
+
+    fn upkeep(&self, config: UpkeepConfig) -> UpkeepActor {
         UpkeepActor::new(
             config,
             self.store_actor.clone(),
@@ -82,7 +91,10 @@ impl Harness {
             Arc::clone(&self.metrics),
         )
         .expect("upkeep starts")
-        .start()
+    }
+
+    fn backlog(&self, step: &str) -> i64 {
+        self.metrics.upkeep_backlog.with_label_values(&[step]).get()
     }
 
     async fn insert(&self, rows: &[InflightActivation]) {
@@ -685,8 +697,10 @@ async fn two_upkeep_actors_never_publish_the_same_row() {
     config.batch_limit = 20;
     let brokers: Vec<(Addr<UpkeepActor>, Arc<Metrics>)> = (0..2)
         .map(|_| {
-            let store =
-                Arc::new(PostgresStore::connect(&harness.db.store_config()).expect("store"));
+            let TestStore::Postgres(db) = &harness.db else {
+                unreachable!("the harness runs on PostgreSQL");
+            };
+            let store = Arc::new(PostgresStore::connect(&db.store_config()).expect("store"));
             let metrics = Arc::new(Metrics::new());
             let store_actor = start_store_actor(store, Arc::clone(&metrics));
             let upkeep =
@@ -753,6 +767,74 @@ async fn kafka_outage_does_not_hold_back_the_other_steps() {
         Some(ActivationStatus::Failure)
     );
     harness.kafka.cluster.broker_up(1).expect("broker up");
+}
+
+// ------------------------------------------------------------ catching up
+
+on_both_backends!(upkeep_catches_up_on_more_than_a_batch_in_one_cycle);
+
+async fn upkeep_catches_up_on_more_than_a_batch_in_one_cycle(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let mut finished = rows("done", 55);
+    for row in &mut finished {
+        row.status = ActivationStatus::Complete;
+    }
+    let mut due: Vec<InflightActivation> = rows("due", 23);
+    for row in &mut due {
+        row.status = ActivationStatus::Delay;
+        row.delay_until = Some(now() - TimeDelta::seconds(1));
+    }
+    harness.insert(&finished).await;
+    harness.insert(&due).await;
+
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    config.batch_limit = 10;
+    let _upkeep = harness.start_upkeep(config);
+    harness.wait_cycles(1).await;
+
+    assert_eq!(harness.transitions("remove_completed"), 55);
+    assert_eq!(harness.transitions("release_delayed"), 23);
+    let counts = harness.store.count_by_status().await.expect("count");
+    assert_eq!(counts.get(ActivationStatus::Complete), 0);
+    assert_eq!(counts.get(ActivationStatus::Pending), 23);
+    assert_eq!(counts.total(), 23);
+    // Five full batches, then one that found the rest.
+    assert_eq!(harness.metrics.store_calls("remove_completed"), 6);
+    assert_eq!(harness.backlog("remove_completed"), 0);
+    assert_eq!(harness.backlog("release_delayed"), 0);
+}
+
+#[actix_rt::test]
+async fn a_step_cut_short_by_its_budget_shows_a_backlog() {
+    let harness = Harness::new().await;
+    let mut finished = rows("done", 55);
+    for row in &mut finished {
+        row.status = ActivationStatus::Complete;
+    }
+    harness.insert(&finished).await;
+
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    config.batch_limit = 10;
+    // No time for a second pass: each step runs one batch per cycle.
+    let upkeep = harness
+        .upkeep(config)
+        .with_step_budget(Duration::ZERO)
+        .start();
+    harness.wait_cycles(1).await;
+    assert_eq!(harness.transitions("remove_completed"), 10);
+    assert_eq!(harness.total().await, 45);
+    assert_eq!(
+        harness.backlog("remove_completed"),
+        10,
+        "at least a batch left"
+    );
+    assert_eq!(harness.backlog("release_delayed"), 0, "nothing was due");
+
+    harness.run_next_cycle(&upkeep, 1).await;
+    assert_eq!(harness.total().await, 35);
+    assert_eq!(harness.backlog("remove_completed"), 10);
 }
 
 // ------------------------------------------------------------ republishing

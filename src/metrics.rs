@@ -61,7 +61,7 @@ pub struct Metrics {
     /// Upkeep step failures, by step.
     pub upkeep_errors: IntCounterVec,
     /// Records upkeep produced to Kafka, by kind (retry, deadletter) and
-    /// result (ok, error).
+    /// result (ok, error, too_large).
     pub published: IntCounterVec,
     /// Rows an upkeep step left for a later cycle, by step: 0 when its last
     /// pass found less than a full batch, else a lower bound (the batch
@@ -117,6 +117,9 @@ pub mod labels {
     /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
     /// `result` of `taskbroker_published_total`.
     pub const PUBLISH_RESULTS: &[&str] = &["ok", "error"];
+    /// The `result` of `taskbroker_published_total`: a record Kafka refuses
+    /// as too large is given up (the row completed), not retried.
+    pub const PUBLISHED_RESULTS: &[&str] = &["ok", "error", "too_large"];
     /// The `kind` of `taskbroker_published_total`.
     pub const PUBLISH_KINDS: &[&str] = &["retry", "deadletter"];
     /// `taskbroker_upkeep_step_duration_seconds{step}` and
@@ -465,7 +468,7 @@ impl Metrics {
             self.upkeep_backlog.with_label_values(&[step]);
         }
         for kind in PUBLISH_KINDS {
-            for result in PUBLISH_RESULTS {
+            for result in PUBLISHED_RESULTS {
                 self.published.with_label_values(&[kind, result]);
             }
         }

@@ -920,3 +920,56 @@ async fn a_retry_published_again_keeps_its_id_and_is_stored_once() {
     assert_eq!(Metrics::count(&ingested.consumer_records, "duplicate"), 1);
     assert!(harness.get(&ids[0]).await.is_some(), "the retry is stored");
 }
+
+#[actix_rt::test]
+async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
+    let harness = Harness::new().await;
+    let big = vec![7u8; 5_000];
+    let (mut large_retry, _) = retry_row(0);
+    large_retry.parameters_bytes = big.clone();
+    let mut large_retry_row = row_from(&large_retry);
+    large_retry_row.status = ActivationStatus::Retry;
+    let (small_retry, small_retry_row) = retry_row(1);
+    let mut large_dead = task("dead-large");
+    large_dead.parameters_bytes = big;
+    large_dead.retry_state = Some(RetryState {
+        attempts: 3,
+        max_attempts: 3,
+        on_attempts_exceeded: OnAttemptsExceeded::Deadletter.as_i32(),
+        ..Default::default()
+    });
+    let mut large_dead_row = row_from(&large_dead);
+    large_dead_row.status = ActivationStatus::Failure;
+    harness
+        .insert(&[large_retry_row, small_retry_row, large_dead_row])
+        .await;
+
+    let mut config = harness.config();
+    // librdkafka's smallest allowed limit, well below the large records.
+    config
+        .kafka
+        .properties
+        .push(("message.max.bytes".to_owned(), "1000".to_owned()));
+    let _upkeep = harness.start_upkeep(config);
+    wait_until("every row is finished", WAIT, || async {
+        let mut finished = true;
+        for id in [&large_retry.id, &small_retry.id, &large_dead.id] {
+            let status = harness.status(id).await;
+            finished &= matches!(status, None | Some(ActivationStatus::Complete));
+        }
+        finished
+    })
+    .await;
+
+    assert_eq!(harness.published("retry", "too_large"), 1);
+    assert_eq!(harness.published("deadletter", "too_large"), 1);
+    assert_eq!(harness.published("retry", "ok"), 1, "the small retry");
+    assert_eq!(harness.published("retry", "error"), 0);
+    assert_eq!(harness.published("deadletter", "error"), 0);
+    let retries = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(retries.len(), 1);
+    let retried =
+        TaskActivation::decode(payload(&retries[0]).as_slice()).expect("a TaskActivation");
+    assert_eq!(retried.taskname, small_retry.taskname);
+    assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
+}

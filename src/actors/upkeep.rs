@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::FutureRecord;
 use tokio::time::Instant;
 
@@ -439,6 +440,21 @@ impl Cycle {
                         metrics.published.with_label_values(&[label, "ok"]).inc();
                         Delivery::Done(row.id)
                     }
+                    // Kafka will never take this record: publishing it
+                    // again every lease would loop forever. Give it up:
+                    // a retry that cannot be written fails the task, a dead
+                    // letter that cannot be written is dropped.
+                    Err((err, _)) if too_large(&err) => {
+                        metrics
+                            .published
+                            .with_label_values(&[label, "too_large"])
+                            .inc();
+                        tracing::error!(activation_id = %row.id, bytes = payload.len(),
+                            topic = %topic, kind = label,
+                            "record too large for Kafka; giving it up \
+                             (a retry fails the task, a dead letter is dropped)");
+                        Delivery::Done(row.id)
+                    }
                     Err((err, _)) => {
                         metrics.published.with_label_values(&[label, "error"]).inc();
                         tracing::warn!(activation_id = %row.id, error = %err, topic = %topic,
@@ -493,10 +509,16 @@ impl Cycle {
 
 /// What became of one row's record.
 enum Delivery {
-    /// Acknowledged: the row is completed.
+    /// Acknowledged, or given up for good: the row is completed.
     Done(String),
     /// Not acknowledged: the row stays and is published after its lease.
     Failed,
+}
+
+/// Whether Kafka refused a record for its size: librdkafka's own check
+/// against the producer's `message.max.bytes`, or the broker's answer.
+fn too_large(err: &KafkaError) -> bool {
+    err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
 }
 
 /// A publish step's name (metrics, logs) and `kind` label.

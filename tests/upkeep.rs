@@ -536,7 +536,7 @@ async fn retries_are_published_as_new_activations() {
             .remove(&original.taskname)
             .unwrap_or_else(|| panic!("no retry of {}", original.taskname));
         assert_ne!(retried.id, original.id, "a retry is a new activation");
-        assert!(uuid::Uuid::parse_str(&retried.id).is_ok(), "fresh UUID");
+        assert!(uuid::Uuid::parse_str(&retried.id).is_ok(), "a UUID");
         assert!(ids.insert(retried.id.clone()), "retry ids are unique");
         assert_eq!(key, retried.id, "the record is keyed by the new id");
         let state = retried.retry_state.expect("retry state");

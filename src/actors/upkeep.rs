@@ -20,7 +20,10 @@
 //! deadlines or delays. It takes rows under a publish lease, so
 //! two brokers never publish the same row, and mark them Complete only after
 //! Kafka acknowledged the record: while Kafka is down the rows stay Retry or
-//! Failure and are published when it returns.
+//! Failure and are published when it returns. A record Kafka refuses as too
+//! large would be refused forever: it is logged, counted and its row
+//! completed instead. A retry's id follows from the original id and attempt
+//! (`retry_activation`), so a row published twice yields one task.
 //!
 //! Right after startup, claim-lease and processing-deadline expiry wait
 //! `RESTART_GRACE_SEC`, so workers can still report results for tasks they

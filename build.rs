@@ -7,6 +7,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        // Undecodable requests are INVALID_ARGUMENT, not INTERNAL.
+        .codec_path("crate::grpc::codec::WireCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -203,26 +203,37 @@ pub fn rewrite_retry_state(
     Ok(activation.encode_to_vec())
 }
 
+/// Namespace of the UUIDv5 ids [`retry_activation`] derives. Fixed forever:
+/// changing it would give a replayed retry a different id than the one
+/// already published.
+pub const RETRY_ID_NAMESPACE: uuid::Uuid = uuid::uuid!("5609e723-3c48-41d9-af1c-cda0c14cf711");
+
 /// The activation upkeep produces to the retry topic for a task a worker
-/// asked to retry (PROTOCOL.md, "Kafka payloads"): a fresh id, `received_at`
+/// asked to retry (PROTOCOL.md, "Kafka payloads"): a new id, `received_at`
 /// now, one more attempt, `delay` taken from `delay_on_retry` (cleared when
-/// that is unset); everything else kept.
+/// that is unset); everything else kept. Answers the new id and the bytes.
+///
+/// The new id is UUIDv5 of `"<original id>/<attempt>"` (the attempt number
+/// after the increment), not a random one: when a broker dies after Kafka
+/// acknowledged the retry but before the row was marked published, the row
+/// is published again with the same id, and ingest's `ON CONFLICT (id)`
+/// stores it once.
 pub fn retry_activation(
     stored: &[u8],
-    new_id: String,
     now: DateTime<Utc>,
-) -> Result<Vec<u8>, ActivationError> {
+) -> Result<(String, Vec<u8>), ActivationError> {
     let mut activation = TaskActivation::decode(stored)
         .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
-    activation.id = new_id;
+    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
+    retry_state.attempts = retry_state.attempts.saturating_add(1);
+    activation.delay = retry_state.delay_on_retry.filter(|delay| *delay > 0);
+    let lineage = format!("{}/{}", activation.id, retry_state.attempts);
+    activation.id = uuid::Uuid::new_v5(&RETRY_ID_NAMESPACE, lineage.as_bytes()).to_string();
     activation.received_at = Some(prost_types::Timestamp {
         seconds: now.timestamp(),
         nanos: i32::try_from(now.timestamp_subsec_nanos()).unwrap_or(0),
     });
-    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
-    retry_state.attempts = retry_state.attempts.saturating_add(1);
-    activation.delay = retry_state.delay_on_retry.filter(|delay| *delay > 0);
-    Ok(activation.encode_to_vec())
+    Ok((activation.id.clone(), activation.encode_to_vec()))
 }
 
 #[cfg(test)]
@@ -414,9 +425,10 @@ mod tests {
             delay_on_retry: Some(30),
             ..Default::default()
         });
-        let bytes = retry_activation(&activation.encode_to_vec(), "new-id".into(), now()).unwrap();
+        let (id, bytes) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
         let retried = TaskActivation::decode(bytes.as_slice()).unwrap();
-        assert_eq!(retried.id, "new-id");
+        assert_eq!(retried.id, id);
+        assert_ne!(retried.id, activation.id);
         assert_eq!(retried.received_at.unwrap().seconds, now().timestamp());
         assert_eq!(retried.retry_state.unwrap().attempts, 2);
         assert_eq!(retried.delay, Some(30));
@@ -424,12 +436,39 @@ mod tests {
         assert_eq!(retried.taskname, activation.taskname);
 
         activation.retry_state.as_mut().unwrap().delay_on_retry = None;
-        let bytes = retry_activation(&activation.encode_to_vec(), "x".into(), now()).unwrap();
+        let (_, bytes) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
         assert_eq!(
             TaskActivation::decode(bytes.as_slice()).unwrap().delay,
             None
         );
-        assert!(retry_activation(&[0xff, 0xff], "x".into(), now()).is_err());
+        assert!(retry_activation(&[0xff, 0xff], now()).is_err());
+    }
+
+    #[test]
+    fn retry_ids_follow_from_the_original_id_and_attempt() {
+        let mut activation = base_activation();
+        activation.retry_state = Some(RetryState {
+            attempts: 2,
+            ..Default::default()
+        });
+        let bytes = activation.encode_to_vec();
+        let later = now() + TimeDelta::seconds(5);
+        let (first, _) = retry_activation(&bytes, now()).unwrap();
+        let (replayed, _) = retry_activation(&bytes, later).unwrap();
+        assert_eq!(first, replayed, "a republished retry keeps its id");
+        let expected = uuid::Uuid::new_v5(
+            &RETRY_ID_NAMESPACE,
+            format!("{}/3", activation.id).as_bytes(),
+        );
+        assert_eq!(first, expected.to_string());
+
+        activation.retry_state.as_mut().unwrap().attempts = 3;
+        let (next_attempt, _) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
+        assert_ne!(next_attempt, first, "each attempt has its own id");
+        activation.id = "another".into();
+        activation.retry_state.as_mut().unwrap().attempts = 2;
+        let (other_task, _) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
+        assert_ne!(other_task, first, "each task has its own ids");
     }
 
     #[test]

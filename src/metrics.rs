@@ -61,10 +61,15 @@ pub struct Metrics {
     /// Upkeep step failures, by step.
     pub upkeep_errors: IntCounterVec,
     /// Records upkeep produced to Kafka, by kind (retry, deadletter) and
-    /// result (ok, error).
+    /// result (ok, error, too_large).
     pub published: IntCounterVec,
+    /// Rows an upkeep step left for a later cycle, by step: 0 when its last
+    /// pass found less than a full batch, else a lower bound (the batch
+    /// limit).
+    pub upkeep_backlog: IntGaugeVec,
     /// Worker status reports, by status (complete, retry, failure) and
-    /// result (updated, ignored, missing, invalid).
+    /// result (updated, ignored, missing, invalid; late: updated by a report
+    /// that likely came from an earlier delivery).
     pub status_updates: IntCounterVec,
 }
 
@@ -112,9 +117,13 @@ pub mod labels {
     /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
     /// `result` of `taskbroker_published_total`.
     pub const PUBLISH_RESULTS: &[&str] = &["ok", "error"];
+    /// The `result` of `taskbroker_published_total`: a record Kafka refuses
+    /// as too large is given up (the row completed), not retried.
+    pub const PUBLISHED_RESULTS: &[&str] = &["ok", "error", "too_large"];
     /// The `kind` of `taskbroker_published_total`.
     pub const PUBLISH_KINDS: &[&str] = &["retry", "deadletter"];
-    /// `taskbroker_upkeep_step_duration_seconds{step}`.
+    /// `taskbroker_upkeep_step_duration_seconds{step}` and
+    /// `taskbroker_upkeep_backlog{step}`.
     pub const UPKEEP_STEPS: &[&str] = &[
         "discard_failures",
         "release_expired_claims",
@@ -166,6 +175,7 @@ pub mod labels {
         ("any", "updated"),
         ("any", "ignored"),
         ("any", "missing"),
+        ("any", "late"),
     ];
     /// The `operation` of the store metrics (StoreActor messages).
     pub const STORE_OPERATIONS: &[&str] = &[
@@ -352,6 +362,14 @@ impl Metrics {
             "Retry and dead-letter records produced by upkeep, by kind and result.",
             &["kind", "result"],
         );
+        let upkeep_backlog = IntGaugeVec::new(
+            Opts::new(
+                "taskbroker_upkeep_backlog",
+                "Rows an upkeep step left for the next cycle: 0 when it caught up, else at least this many.",
+            ),
+            &["step"],
+        )
+        .expect("valid metric definition");
         let status_updates = counter_vec(
             "taskbroker_status_updates_total",
             "Worker status reports: by status as received, and by the result of writing them.",
@@ -370,6 +388,7 @@ impl Metrics {
             Box::new(upkeep_transitions.clone()),
             Box::new(upkeep_errors.clone()),
             Box::new(published.clone()),
+            Box::new(upkeep_backlog.clone()),
         ] {
             registry
                 .register(collector)
@@ -418,6 +437,7 @@ impl Metrics {
             upkeep_transitions,
             upkeep_errors,
             published,
+            upkeep_backlog,
             status_updates,
         };
         metrics.initialise_label_values();
@@ -445,9 +465,10 @@ impl Metrics {
         }
         for step in UPKEEP_STEPS {
             self.upkeep_duration.with_label_values(&[step]);
+            self.upkeep_backlog.with_label_values(&[step]);
         }
         for kind in PUBLISH_KINDS {
-            for result in PUBLISH_RESULTS {
+            for result in PUBLISHED_RESULTS {
                 self.published.with_label_values(&[kind, result]);
             }
         }
@@ -472,6 +493,7 @@ impl Metrics {
             ("updated", outcome.updated),
             ("ignored", outcome.ignored),
             ("missing", outcome.missing),
+            ("late", outcome.late),
         ] {
             self.status_updates
                 .with_label_values(&["any", result])
@@ -564,7 +586,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 24, "{text}");
+        assert_eq!(families, 25, "{text}");
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
         assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));

@@ -111,6 +111,7 @@ fn signed<T: prost::Message>(message: T, secret: &str, path: &str) -> tonic::Req
 // ------------------------------------------------------------ GetTask
 
 on_both_backends!(
+    one_bad_report_fails_only_its_own_request,
     get_task_hands_out_pending_work_and_not_found_when_none,
     set_task_status_completes_and_is_idempotent_for_unknown_ids,
     fetch_next_task_hands_out_the_next_task_or_nothing,
@@ -286,6 +287,100 @@ async fn fetch_next_task_in_push_mode_hands_out_nothing() {
     );
 }
 
+async fn one_bad_report_fails_only_its_own_request(backend: Backend) {
+    const VALID: usize = 34;
+    let api = Api::on(backend, DeliveryMode::Push, vec![]).await;
+    insert(api.store.as_ref(), &rows("report", VALID)).await;
+    let claimed = api
+        .store
+        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), VALID);
+    let mut ids: Vec<String> = claimed.iter().map(|row| row.id.clone()).collect();
+    // Two ids no store can keep, among the others so they share their
+    // combined write.
+    ids.insert(10, "bad\0one".to_owned());
+    ids.insert(25, "bad\0two".to_owned());
+
+    let client = api.client().await;
+    let calls = ids.iter().map(|id| {
+        let mut client = client.clone();
+        let request = set_status(id, TaskActivationStatus::Complete);
+        async move { client.set_task_status(request).await }
+    });
+    let answers = futures::future::join_all(calls).await;
+
+    let mut refused = Vec::new();
+    for (id, answer) in ids.iter().zip(answers) {
+        match answer {
+            Ok(_) => assert_eq!(
+                api.status(id).await,
+                Some(ActivationStatus::Complete),
+                "{id} answered OK but was not applied"
+            ),
+            Err(status) => {
+                assert_eq!(status.code(), Code::InvalidArgument, "{id}: {status:?}");
+                refused.push(id.clone());
+            }
+        }
+    }
+    assert_eq!(refused, ["bad\0one", "bad\0two"]);
+    let overlong = set_status(&"x".repeat(257), TaskActivationStatus::Complete);
+    let mut client = client.clone();
+    let err = client.set_task_status(overlong.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // A batch with one bad id is refused whole, before anything is written.
+    let err = client
+        .set_batch_activation_status(SetBatchActivationStatusRequest {
+            updates: vec![
+                set_status("report-0", TaskActivationStatus::Failure),
+                overlong,
+            ],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        api.status("report-0").await,
+        Some(ActivationStatus::Complete)
+    );
+}
+
+#[actix_rt::test]
+async fn store_errors_reach_clients_without_the_databases_text() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let db = api._db.as_ref().expect("a test database");
+    // Every statement now fails with PostgreSQL's "relation ... does not
+    // exist": a query error, not an outage.
+    db.client()
+        .await
+        .batch_execute("DROP TABLE inflight_taskactivations")
+        .await
+        .unwrap();
+    let mut client = api.client().await;
+    let errors = [
+        client
+            .get_task(GetTaskRequest::default())
+            .await
+            .unwrap_err(),
+        client
+            .set_task_status(set_status("x", TaskActivationStatus::Complete))
+            .await
+            .unwrap_err(),
+        client
+            .set_batch_activation_status(SetBatchActivationStatusRequest {
+                updates: vec![set_status("x", TaskActivationStatus::Complete)],
+            })
+            .await
+            .unwrap_err(),
+    ];
+    for status in errors {
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        assert_eq!(status.message(), "internal store error", "{status:?}");
+    }
+}
+
 // ------------------------------------------------------------ SetBatchActivationStatus
 
 #[actix_rt::test]
@@ -437,12 +532,15 @@ async fn health_checks_need_no_signature() {
     );
 }
 
-#[actix_rt::test]
-async fn truncated_bodies_are_invalid_argument_not_a_panic() {
-    let api = Api::start(DeliveryMode::Pull, vec!["right".into()]).await;
-    // A raw HTTP/2 gRPC call whose body is 3 bytes: shorter than a frame
-    // header, which no well-behaved client sends.
-    let stream = tokio::net::TcpStream::connect(api.addr).await.unwrap();
+/// Sends `body` (a gRPC request body, framing included) to `path` over a
+/// raw HTTP/2 connection; answers the `grpc-status` of the reply.
+async fn raw_call(
+    addr: SocketAddr,
+    path: &str,
+    body: &'static [u8],
+    signature: Option<&str>,
+) -> Option<String> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(stream),
@@ -450,24 +548,57 @@ async fn truncated_bodies_are_invalid_argument_not_a_panic() {
     .await
     .unwrap();
     tokio::spawn(connection);
-    let request = http::Request::post(format!("http://{}{GET_TASK}", api.addr))
+    let mut request = http::Request::post(format!("http://{addr}{path}"))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header(SIGNATURE_METADATA, "00")
-        .body(http_body_util::Full::new(bytes::Bytes::from_static(&[
-            0, 0, 0,
-        ])))
+        .header("te", "trailers");
+    if let Some(signature) = signature {
+        request = request.header(SIGNATURE_METADATA, signature);
+    }
+    let request = request
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(body)))
         .unwrap();
     let response = sender.send_request(request).await.unwrap();
-    let status = response
+    // An error before any message is a trailers-only reply: the status is
+    // in the headers.
+    response
         .headers()
         .get("grpc-status")
         .and_then(|value| value.to_str().ok())
-        .map(str::to_owned);
-    assert_eq!(
-        status.as_deref(),
-        Some("3"),
-        "INVALID_ARGUMENT ({:?})",
-        response.headers()
-    );
+        .map(str::to_owned)
+}
+
+#[actix_rt::test]
+async fn truncated_bodies_are_invalid_argument_not_a_panic() {
+    let api = Api::start(DeliveryMode::Pull, vec!["right".into()]).await;
+    // A body of 3 bytes: shorter than a frame header, which no well-behaved
+    // client sends.
+    let status = raw_call(api.addr, GET_TASK, &[0, 0, 0], Some("00")).await;
+    assert_eq!(status.as_deref(), Some("3"), "INVALID_ARGUMENT");
+}
+
+#[actix_rt::test]
+async fn undecodable_requests_are_invalid_argument() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    // One frame of 3 bytes that are no protobuf message (field 31 with the
+    // undefined wire type 7).
+    const GARBAGE: &[u8] = &[0, 0, 0, 0, 3, 0xff, 0xff, 0xff];
+    // SetTaskStatusRequest whose id (field 1) holds the bytes C3 28: not
+    // UTF-8.
+    const NOT_UTF8: &[u8] = &[0, 0, 0, 0, 4, 0x0a, 0x02, 0xc3, 0x28];
+    for (path, body, what) in [
+        (SET_STATUS, GARBAGE, "garbage SetTaskStatus"),
+        (GET_TASK, GARBAGE, "garbage GetTask"),
+        (SET_STATUS, NOT_UTF8, "id not UTF-8"),
+    ] {
+        let status = raw_call(api.addr, path, body, None).await;
+        assert_eq!(status.as_deref(), Some("3"), "{what}: INVALID_ARGUMENT");
+    }
+    // The server is still serving.
+    let err = api
+        .client()
+        .await
+        .get_task(GetTaskRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
 }

@@ -14,10 +14,12 @@ use common::TestDb;
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::store::{
     ClaimBatch, CountByStatus, GetActivation, InsertBatch, MaxPendingLag, ReleaseClaims,
+    ReportStatus,
 };
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, PostgresStore, StoreError,
+    ActivationStatus, ActivationStore, BucketRange, ClaimToken, PostgresStore, StatusUpdate,
+    StoreError, WorkerStatus,
 };
 
 /// Bound on every wait for the database to reach a state; reaching it is
@@ -381,4 +383,79 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
             "releasing must not consume an attempt"
         );
     }
+}
+
+#[actix_rt::test]
+async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
+    const VALID: usize = 20;
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows("report", VALID)).await;
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), VALID);
+    let (addr, metrics) = start_actor(store.clone());
+    let report = |id: &str| {
+        addr.send(ReportStatus {
+            update: StatusUpdate::new(id, WorkerStatus::Complete),
+        })
+    };
+
+    // Hold the table so the first report's write waits and every report
+    // sent meanwhile joins the next combined write.
+    let locker = db.client().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+        .await
+        .expect("lock the table");
+    let monitor = common::connect(&common::admin_url()).await;
+    let first = report(&claimed[0].id);
+    let deadline = Deadline::start("the first report waits on the table lock");
+    while backends_waiting_on_locks(&monitor, &db.name).await < 1 {
+        deadline.pause().await;
+    }
+    // PostgreSQL refuses NUL in text: these two fail any statement they
+    // are part of. (The gRPC API refuses such ids before this point.)
+    let mut ids: Vec<String> = claimed[1..].iter().map(|row| row.id.clone()).collect();
+    ids.insert(5, "nul\0one".to_owned());
+    ids.insert(15, "nul\0two".to_owned());
+    let rest: Vec<_> = ids.iter().map(|id| report(id)).collect();
+    // The actor handles messages in order: once this count waits on the
+    // lock too, every report above is queued for the combined write.
+    let count = addr.send(CountByStatus {});
+    let deadline = Deadline::start("the reports are queued behind the first");
+    while backends_waiting_on_locks(&monitor, &db.name).await < 2 {
+        deadline.pause().await;
+    }
+    locker.batch_execute("COMMIT").await.expect("unlock");
+
+    within_deadline("the first report", first)
+        .await
+        .expect("actor answers")
+        .expect("the first report is written");
+    let answers = within_deadline("the combined reports", futures::future::join_all(rest)).await;
+    within_deadline("the count", count)
+        .await
+        .expect("actor answers")
+        .expect("count");
+    let mut refused = Vec::new();
+    for (id, answer) in ids.iter().zip(answers) {
+        match answer.expect("actor answers") {
+            Ok(()) => assert_eq!(
+                store.get(id).await.expect("get").map(|row| row.status),
+                Some(ActivationStatus::Complete),
+                "{id}"
+            ),
+            Err(err) => {
+                assert!(!err.is_unavailable(), "{id}: {err}");
+                refused.push(id.clone());
+            }
+        }
+    }
+    assert_eq!(refused, ["nul\0one", "nul\0two"]);
+    // The first alone, the combined write that failed, then each of the
+    // 21 on its own.
+    assert_eq!(metrics.store_calls("set_status"), 1 + 1 + VALID as u64 + 1);
 }

@@ -70,6 +70,7 @@ conformance!(
     pull_claim_skips_expired_rows,
     status_updates_apply_only_to_claimed_or_processing,
     repeated_status_updates_are_idempotent,
+    reports_on_overdue_or_redelivered_rows_count_as_late,
     retry_update_rewrites_retry_state,
     retry_edit_ignored_for_rows_not_handed_out,
     delete_batch_removes_rows,
@@ -547,7 +548,8 @@ async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
         StatusUpdateOutcome {
             updated: 3,
             ignored: 2,
-            missing: 1
+            missing: 1,
+            late: 0,
         }
     );
     assert_eq!(
@@ -569,6 +571,55 @@ async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
     assert_eq!(
         status_of(&store, "pending").await,
         ActivationStatus::Pending
+    );
+}
+
+async fn reports_on_overdue_or_redelivered_rows_count_as_late(store: Store) {
+    // Delivered before: its report may come from the earlier delivery.
+    let mut redelivered = row("redelivered");
+    redelivered.processing_attempts = 1;
+    insert(store.as_ref(), &[redelivered]).await;
+    assert_eq!(ids(&claim_all(&store, LEASE).await), ["redelivered"]);
+    let processing_until = |id: &str, deadline| {
+        let mut row = with_status(row(id), ActivationStatus::Processing);
+        row.processing_deadline = Some(deadline);
+        row
+    };
+    let mut finished_retry = with_status(row("finished"), ActivationStatus::Complete);
+    finished_retry.processing_attempts = 2;
+    insert(
+        store.as_ref(),
+        &[
+            processing_until("on-time", now() + TimeDelta::seconds(60)),
+            processing_until("overdue", now() - TimeDelta::seconds(60)),
+            finished_retry,
+        ],
+    )
+    .await;
+
+    let outcome = store
+        .set_status(&[
+            StatusUpdate::new("redelivered", WorkerStatus::Complete),
+            StatusUpdate::new("on-time", WorkerStatus::Complete),
+            StatusUpdate::new("overdue", WorkerStatus::Retry),
+            StatusUpdate::new("finished", WorkerStatus::Failure),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        StatusUpdateOutcome {
+            updated: 3,
+            ignored: 1,
+            missing: 0,
+            late: 2,
+        },
+        "late: the redelivered and the overdue row, not the ignored one"
+    );
+    assert_eq!(status_of(&store, "overdue").await, ActivationStatus::Retry);
+    assert_eq!(
+        status_of(&store, "finished").await,
+        ActivationStatus::Complete
     );
 }
 

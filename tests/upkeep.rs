@@ -1,7 +1,8 @@
 //! The UpkeepActor drives the timed transitions of the activation lifecycle
 //! (DESIGN.md, "Activation lifecycle") and publishes retries and dead letters
 //! (PROTOCOL.md, "Kafka payloads"). Every transition here is made by the
-//! actor itself, against real PostgreSQL and librdkafka's mock cluster.
+//! actor itself, against a real store (PostgreSQL, and SQLite where the
+//! behaviour is the store's) and librdkafka's mock cluster.
 
 mod common;
 
@@ -12,10 +13,11 @@ use std::time::Duration;
 use actix::prelude::*;
 use chrono::{TimeDelta, Utc};
 use common::kafka::{MockKafka, payload};
-use common::{TestDb, now, row, row_from, rows, task, wait_until};
+use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
 use taskbroker::actors::StoreActor;
+use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig};
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
@@ -34,16 +36,20 @@ const WAIT: Duration = Duration::from_secs(10);
 const MANUAL: Duration = Duration::from_secs(3600);
 
 struct Harness {
-    db: TestDb,
+    db: TestStore,
     kafka: MockKafka,
-    store: Arc<PostgresStore>,
+    store: Arc<dyn ActivationStore>,
     store_actor: Addr<StoreActor>,
     metrics: Arc<Metrics>,
 }
 
 impl Harness {
     async fn new() -> Harness {
-        let db = TestDb::new().await;
+        Harness::on(Backend::Postgres).await
+    }
+
+    async fn on(backend: Backend) -> Harness {
+        let db = TestStore::new(backend).await;
         let store = db.store().await;
         let metrics = Arc::new(Metrics::new());
         let store_actor = start_store_actor(store.clone(), Arc::clone(&metrics));
@@ -74,6 +80,10 @@ impl Harness {
     }
 
     fn start_upkeep(&self, config: UpkeepConfig) -> Addr<UpkeepActor> {
+        self.upkeep(config).start()
+    }
+
+    fn upkeep(&self, config: UpkeepConfig) -> UpkeepActor {
         UpkeepActor::new(
             config,
             self.store_actor.clone(),
@@ -81,7 +91,10 @@ impl Harness {
             Arc::clone(&self.metrics),
         )
         .expect("upkeep starts")
-        .start()
+    }
+
+    fn backlog(&self, step: &str) -> i64 {
+        self.metrics.upkeep_backlog.with_label_values(&[step]).get()
     }
 
     async fn insert(&self, rows: &[InflightActivation]) {
@@ -523,7 +536,7 @@ async fn retries_are_published_as_new_activations() {
             .remove(&original.taskname)
             .unwrap_or_else(|| panic!("no retry of {}", original.taskname));
         assert_ne!(retried.id, original.id, "a retry is a new activation");
-        assert!(uuid::Uuid::parse_str(&retried.id).is_ok(), "fresh UUID");
+        assert!(uuid::Uuid::parse_str(&retried.id).is_ok(), "a UUID");
         assert!(ids.insert(retried.id.clone()), "retry ids are unique");
         assert_eq!(key, retried.id, "the record is keyed by the new id");
         let state = retried.retry_state.expect("retry state");
@@ -684,8 +697,10 @@ async fn two_upkeep_actors_never_publish_the_same_row() {
     config.batch_limit = 20;
     let brokers: Vec<(Addr<UpkeepActor>, Arc<Metrics>)> = (0..2)
         .map(|_| {
-            let store =
-                Arc::new(PostgresStore::connect(&harness.db.store_config()).expect("store"));
+            let TestStore::Postgres(db) = &harness.db else {
+                unreachable!("the harness runs on PostgreSQL");
+            };
+            let store = Arc::new(PostgresStore::connect(&db.store_config()).expect("store"));
             let metrics = Arc::new(Metrics::new());
             let store_actor = start_store_actor(store, Arc::clone(&metrics));
             let upkeep =
@@ -752,4 +767,209 @@ async fn kafka_outage_does_not_hold_back_the_other_steps() {
         Some(ActivationStatus::Failure)
     );
     harness.kafka.cluster.broker_up(1).expect("broker up");
+}
+
+// ------------------------------------------------------------ catching up
+
+on_both_backends!(upkeep_catches_up_on_more_than_a_batch_in_one_cycle);
+
+async fn upkeep_catches_up_on_more_than_a_batch_in_one_cycle(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let mut finished = rows("done", 55);
+    for row in &mut finished {
+        row.status = ActivationStatus::Complete;
+    }
+    let mut due: Vec<InflightActivation> = rows("due", 23);
+    for row in &mut due {
+        row.status = ActivationStatus::Delay;
+        row.delay_until = Some(now() - TimeDelta::seconds(1));
+    }
+    harness.insert(&finished).await;
+    harness.insert(&due).await;
+
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    config.batch_limit = 10;
+    let _upkeep = harness.start_upkeep(config);
+    harness.wait_cycles(1).await;
+
+    assert_eq!(harness.transitions("remove_completed"), 55);
+    assert_eq!(harness.transitions("release_delayed"), 23);
+    let counts = harness.store.count_by_status().await.expect("count");
+    assert_eq!(counts.get(ActivationStatus::Complete), 0);
+    assert_eq!(counts.get(ActivationStatus::Pending), 23);
+    assert_eq!(counts.total(), 23);
+    // Five full batches, then one that found the rest.
+    assert_eq!(harness.metrics.store_calls("remove_completed"), 6);
+    assert_eq!(harness.backlog("remove_completed"), 0);
+    assert_eq!(harness.backlog("release_delayed"), 0);
+}
+
+#[actix_rt::test]
+async fn a_step_cut_short_by_its_budget_shows_a_backlog() {
+    let harness = Harness::new().await;
+    let mut finished = rows("done", 55);
+    for row in &mut finished {
+        row.status = ActivationStatus::Complete;
+    }
+    harness.insert(&finished).await;
+
+    let mut config = harness.config();
+    config.interval = MANUAL;
+    config.batch_limit = 10;
+    // No time for a second pass: each step runs one batch per cycle.
+    let upkeep = harness
+        .upkeep(config)
+        .with_step_budget(Duration::ZERO)
+        .start();
+    harness.wait_cycles(1).await;
+    assert_eq!(harness.transitions("remove_completed"), 10);
+    assert_eq!(harness.total().await, 45);
+    assert_eq!(
+        harness.backlog("remove_completed"),
+        10,
+        "at least a batch left"
+    );
+    assert_eq!(harness.backlog("release_delayed"), 0, "nothing was due");
+
+    harness.run_next_cycle(&upkeep, 1).await;
+    assert_eq!(harness.total().await, 35);
+    assert_eq!(harness.backlog("remove_completed"), 10);
+}
+
+// ------------------------------------------------------------ republishing
+
+/// A consumer of `topic` into the harness's store, with its own metrics.
+fn ingest(harness: &Harness, topic: &str) -> (Addr<ConsumerActor>, Arc<Metrics>) {
+    harness.kafka.create_topic("ingest-dlq", 1);
+    let metrics = Arc::new(Metrics::new());
+    let config = ConsumerConfig {
+        kafka: harness.kafka.settings(),
+        topic: topic.to_owned(),
+        group: "ingest".to_owned(),
+        auto_offset_reset: "earliest".to_owned(),
+        ingest_dlq_topic: "ingest-dlq".to_owned(),
+        batch_size: 256,
+        batch_max_wait: Duration::from_millis(20),
+        max_inflight: 1_000_000,
+        max_delay: Duration::from_secs(3600),
+        max_activation_bytes: 1 << 20,
+        crash_before_commit_after: None,
+    };
+    let actor = ConsumerActor::new(
+        config,
+        harness.store_actor.clone(),
+        vec![],
+        Arc::clone(&metrics),
+    );
+    (actor.start(), metrics)
+}
+
+#[actix_rt::test]
+async fn a_retry_published_again_keeps_its_id_and_is_stored_once() {
+    let harness = Harness::new().await;
+    let (original, row) = retry_row(0);
+    harness.insert(std::slice::from_ref(&row)).await;
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until(
+        "the retry is published and its row finished",
+        WAIT,
+        || async {
+            harness.published("retry", "ok") == 1
+                && harness.status(&original.id).await != Some(ActivationStatus::Retry)
+        },
+    )
+    .await;
+
+    // A broker that died after Kafka's acknowledgement and before marking
+    // the row published: the row is still Retry, and is published again.
+    harness
+        .store
+        .delete_batch(std::slice::from_ref(&original.id))
+        .await
+        .expect("delete");
+    harness.insert(std::slice::from_ref(&row)).await;
+    wait_until("the retry is published a second time", WAIT, || async {
+        harness.published("retry", "ok") == 2
+            && harness.status(&original.id).await != Some(ActivationStatus::Retry)
+    })
+    .await;
+
+    let records = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(records.len(), 2);
+    let ids: Vec<String> = records
+        .iter()
+        .map(|record| {
+            TaskActivation::decode(payload(record).as_slice())
+                .expect("a TaskActivation")
+                .id
+        })
+        .collect();
+    assert_eq!(ids[0], ids[1], "both publications carry the same id");
+    assert_ne!(ids[0], original.id);
+    assert_eq!(records[0].key(), records[1].key());
+
+    let (_consumer, ingested) = ingest(&harness, RETRY_TOPIC);
+    wait_until("ingest has read both records", WAIT, || {
+        let read = Metrics::count(&ingested.consumer_records, "stored")
+            + Metrics::count(&ingested.consumer_records, "duplicate");
+        async move { read == 2 }
+    })
+    .await;
+    assert_eq!(Metrics::count(&ingested.consumer_records, "stored"), 1);
+    assert_eq!(Metrics::count(&ingested.consumer_records, "duplicate"), 1);
+    assert!(harness.get(&ids[0]).await.is_some(), "the retry is stored");
+}
+
+#[actix_rt::test]
+async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
+    let harness = Harness::new().await;
+    let big = vec![7u8; 5_000];
+    let (mut large_retry, _) = retry_row(0);
+    large_retry.parameters_bytes = big.clone();
+    let mut large_retry_row = row_from(&large_retry);
+    large_retry_row.status = ActivationStatus::Retry;
+    let (small_retry, small_retry_row) = retry_row(1);
+    let mut large_dead = task("dead-large");
+    large_dead.parameters_bytes = big;
+    large_dead.retry_state = Some(RetryState {
+        attempts: 3,
+        max_attempts: 3,
+        on_attempts_exceeded: OnAttemptsExceeded::Deadletter.as_i32(),
+        ..Default::default()
+    });
+    let mut large_dead_row = row_from(&large_dead);
+    large_dead_row.status = ActivationStatus::Failure;
+    harness
+        .insert(&[large_retry_row, small_retry_row, large_dead_row])
+        .await;
+
+    let mut config = harness.config();
+    // librdkafka's smallest allowed limit, well below the large records.
+    config
+        .kafka
+        .properties
+        .push(("message.max.bytes".to_owned(), "1000".to_owned()));
+    let _upkeep = harness.start_upkeep(config);
+    wait_until("every row is finished", WAIT, || async {
+        let mut finished = true;
+        for id in [&large_retry.id, &small_retry.id, &large_dead.id] {
+            let status = harness.status(id).await;
+            finished &= matches!(status, None | Some(ActivationStatus::Complete));
+        }
+        finished
+    })
+    .await;
+
+    assert_eq!(harness.published("retry", "too_large"), 1);
+    assert_eq!(harness.published("deadletter", "too_large"), 1);
+    assert_eq!(harness.published("retry", "ok"), 1, "the small retry");
+    assert_eq!(harness.published("retry", "error"), 0);
+    assert_eq!(harness.published("deadletter", "error"), 0);
+    let retries = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(retries.len(), 1);
+    let retried =
+        TaskActivation::decode(payload(&retries[0]).as_slice()).expect("a TaskActivation");
+    assert_eq!(retried.taskname, small_retry.taskname);
+    assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
 }

@@ -7,8 +7,8 @@
 //!   itself: each handler returns a future that actix spawns, so queries from
 //!   many senders run concurrently over the pool instead of one at a time.
 //!
-//! Frequent small writes (mark processing after each push) are combined:
-//! see [`MarkPushed`].
+//! Frequent small writes (mark processing after each push, workers' single
+//! reports) are combined: see [`MarkPushed`] and [`ReportStatus`].
 //!
 //! Every operation's latency and errors are recorded in [`Metrics`], which is
 //! also how tests count the statements an operation ran.
@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use futures::StreamExt;
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
@@ -32,6 +33,11 @@ pub const MAILBOX_CAPACITY: usize = 1024;
 
 /// Most claims one combined mark-processing statement carries.
 const MAX_COMBINED: usize = 1024;
+
+/// Reports written at once when a combined report write failed and each is
+/// retried on its own: enough to finish quickly, few enough to leave pool
+/// connections to everyone else.
+const SEPARATE_WRITES_AT_ONCE: usize = 8;
 
 pub struct StoreActor {
     store: Arc<dyn ActivationStore>,
@@ -125,6 +131,9 @@ impl Handler<MarkPushed> for StoreActor {
 
 /// A worker reported one result (SetTaskStatus): written together with other
 /// concurrent reports in one statement. Resolves once the write is durable.
+/// If the combined statement fails for a reason other than the store being
+/// unavailable, each report is written again on its own, so one report the
+/// database refuses fails only its own request.
 #[derive(Debug)]
 pub struct ReportStatus {
     pub update: StatusUpdate,
@@ -153,17 +162,25 @@ impl StoreActor {
         let store = Arc::clone(&self.store);
         let metrics = Arc::clone(&self.metrics);
         let write = async move {
-            let started = Instant::now();
-            let result = store.set_status(&updates).await;
-            metrics.observe_store("set_status", started.elapsed(), result.as_ref().err());
-            if let Ok(outcome) = &result {
-                metrics.record_status_outcome(outcome);
+            let combined = write_reports(store.as_ref(), &metrics, &updates).await;
+            match combined {
+                // An outage fails every report alike: re-running them one by
+                // one would only wait on the database again.
+                Err(err) if updates.len() > 1 && !err.is_unavailable() => {
+                    tracing::warn!(error = %err, reports = updates.len(),
+                        "combined status write failed; writing each report on its own");
+                    futures::stream::iter(updates.chunks(1))
+                        .map(|one| write_reports(store.as_ref(), &metrics, one))
+                        .buffered(SEPARATE_WRITES_AT_ONCE)
+                        .collect::<Vec<_>>()
+                        .await
+                }
+                combined => vec![combined; updates.len()],
             }
-            result
         };
-        ctx.spawn(write.into_actor(self).map(move |result, act, ctx| {
-            for (_, reply) in batch {
-                let _ = reply.send(result.as_ref().map(drop).map_err(Clone::clone));
+        ctx.spawn(write.into_actor(self).map(move |results, act, ctx| {
+            for ((_, reply), result) in batch.into_iter().zip(results) {
+                let _ = reply.send(result);
             }
             act.reported.flushing = false;
             act.flush_reported(ctx);
@@ -208,6 +225,20 @@ impl StoreActor {
             act.flush_pushed(ctx);
         }));
     }
+}
+
+/// One `set_status` statement for workers' reports, with its metrics.
+async fn write_reports(
+    store: &dyn ActivationStore,
+    metrics: &Metrics,
+    updates: &[StatusUpdate],
+) -> StoreResult<()> {
+    let started = Instant::now();
+    let result = store.set_status(updates).await;
+    metrics.observe_store("set_status", started.elapsed(), result.as_ref().err());
+    let outcome = result?;
+    metrics.record_status_outcome(&outcome);
+    Ok(())
 }
 
 impl Actor for StoreActor {

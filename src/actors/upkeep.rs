@@ -8,14 +8,22 @@
 //! - Mailbox: actix's default; only timer and control messages arrive.
 //!
 //! One cycle runs at a time: the next is scheduled `UPKEEP_INTERVAL_MS` after
-//! the previous one finished. Every step is one bounded statement
-//! (`UPKEEP_BATCH_LIMIT`), and a failing step is counted and logged without
-//! stopping the others. Publishing (retries, dead letters) runs beside the
+//! the previous one finished. Every step is a bounded statement
+//! (`UPKEEP_BATCH_LIMIT`) that the cycle runs again while it finds a full
+//! batch, so removal, expiry and publishing keep up with any rate the rest
+//! of the broker delivers instead of moving one batch per interval. Each
+//! step may repeat for one step budget (the interval) per cycle, so a step
+//! with a huge backlog cannot starve the others; what it leaves shows in
+//! `taskbroker_upkeep_backlog{step}`. A failing step is counted and logged
+//! without stopping the others. Publishing (retries, dead letters) runs beside the
 //! cycle, one run at a time, so a Kafka outage never holds back expiry,
 //! deadlines or delays. It takes rows under a publish lease, so
 //! two brokers never publish the same row, and mark them Complete only after
 //! Kafka acknowledged the record: while Kafka is down the rows stay Retry or
-//! Failure and are published when it returns.
+//! Failure and are published when it returns. A record Kafka refuses as too
+//! large would be refused forever: it is logged, counted and its row
+//! completed instead. A retry's id follows from the original id and attempt
+//! (`retry_activation`), so a row published twice yields one task.
 //!
 //! Right after startup, claim-lease and processing-deadline expiry wait
 //! `RESTART_GRACE_SEC`, so workers can still report results for tasks they
@@ -26,6 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::FutureRecord;
 use tokio::time::Instant;
 
@@ -38,7 +47,7 @@ use super::store::{
 use crate::activation::retry_activation;
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
-use crate::store::{PublishKind, StoreError};
+use crate::store::{DeadlineOutcome, PublishKind, StoreError};
 
 /// Settings of the upkeep.
 #[derive(Debug, Clone)]
@@ -76,6 +85,7 @@ pub struct UpkeepActor {
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     started_at: Instant,
+    step_budget: Duration,
     running: bool,
     publishing: Arc<AtomicBool>,
     next: Option<SpawnHandle>,
@@ -92,6 +102,7 @@ impl UpkeepActor {
             .kafka
             .create_producer(config.delivery_timeout)
             .map_err(|err| format!("Kafka producer for upkeep: {err}"))?;
+        let interval = config.interval;
         Ok(UpkeepActor {
             config,
             store,
@@ -99,10 +110,18 @@ impl UpkeepActor {
             wake,
             metrics,
             started_at: Instant::now(),
+            step_budget: interval,
             running: false,
             publishing: Arc::new(AtomicBool::new(false)),
             next: None,
         })
+    }
+
+    /// How long one step may keep repeating within a cycle; the interval
+    /// unless changed here (tests shorten it to see a step cut short).
+    pub fn with_step_budget(mut self, budget: Duration) -> Self {
+        self.step_budget = budget;
+        self
     }
 
     fn schedule(&mut self, ctx: &mut Context<Self>) {
@@ -138,6 +157,7 @@ impl Handler<RunUpkeep> for UpkeepActor {
             producer: self.producer.clone(),
             metrics: Arc::clone(&self.metrics),
             expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
+            step_budget: self.step_budget,
         });
         // Publishing waits for Kafka's acknowledgements, which take up to the
         // delivery timeout while Kafka is down: it runs beside the cycle (one
@@ -183,26 +203,67 @@ struct Cycle {
     producer: Producer,
     metrics: Arc<Metrics>,
     expiry_allowed: bool,
+    step_budget: Duration,
 }
 
 type StepResult = Result<Result<u64, StoreError>, MailboxError>;
+
+/// One step's passes within a cycle: whether to run another, and what the
+/// step left behind when it stops.
+struct Passes<'a> {
+    cycle: &'a Cycle,
+    step: &'static str,
+    until: Instant,
+    moved: u64,
+}
+
+impl<'a> Passes<'a> {
+    fn new(cycle: &'a Cycle, step: &'static str) -> Self {
+        Passes {
+            cycle,
+            step,
+            until: Instant::now() + cycle.step_budget,
+            moved: 0,
+        }
+    }
+
+    /// Takes one pass's result (`None`: it failed, already counted) and
+    /// answers whether to run another: only after a full batch, and while
+    /// the budget lasts. On stopping, sets the step's backlog gauge: 0 when
+    /// the last pass found less than a full batch, else the batch limit (at
+    /// least that many may be waiting; counting them would scan the table).
+    fn again(&mut self, pass: Option<u64>) -> bool {
+        let Some(moved) = pass else {
+            return false;
+        };
+        self.moved += moved;
+        let limit = u64::try_from(self.cycle.config.batch_limit).unwrap_or(u64::MAX);
+        let left = if moved < limit {
+            0
+        } else if Instant::now() >= self.until {
+            limit
+        } else {
+            return true;
+        };
+        self.cycle
+            .metrics
+            .upkeep_backlog
+            .with_label_values(&[self.step])
+            .set(i64::try_from(left).unwrap_or(i64::MAX));
+        false
+    }
+}
 
 impl Cycle {
     /// Runs every step; answers whether rows became runnable.
     async fn run(self: Arc<Self>) -> bool {
         let limit = self.config.batch_limit;
-        self.step(
-            "discard_failures",
-            self.store.send(DiscardFailures { limit }),
-        )
-        .await;
+        self.repeat("discard_failures", || DiscardFailures { limit })
+            .await;
         let mut runnable = 0;
         if self.expiry_allowed {
             let released = self
-                .step(
-                    "release_expired_claims",
-                    self.store.send(ReleaseExpiredClaims { limit }),
-                )
+                .repeat("release_expired_claims", || ReleaseExpiredClaims { limit })
                 .await;
             self.metrics
                 .claims_released
@@ -212,30 +273,41 @@ impl Cycle {
             runnable += self.processing_deadlines().await;
         }
         let max_attempts = self.config.max_attempts;
-        self.step(
-            "fail_exhausted_attempts",
-            self.store.send(FailExhaustedAttempts {
-                max_attempts,
-                limit,
-            }),
-        )
+        self.repeat("fail_exhausted_attempts", || FailExhaustedAttempts {
+            max_attempts,
+            limit,
+        })
         .await;
-        self.step("remove_expired", self.store.send(RemoveExpired { limit }))
+        self.repeat("remove_expired", || RemoveExpired { limit })
             .await;
         runnable += self
-            .step("release_delayed", self.store.send(ReleaseDelayed { limit }))
+            .repeat("release_delayed", || ReleaseDelayed { limit })
             .await;
-        self.step(
-            "remove_completed",
-            self.store.send(RemoveCompleted { limit }),
-        )
-        .await;
+        self.repeat("remove_completed", || RemoveCompleted { limit })
+            .await;
         self.refresh_gauges().await;
         runnable > 0
     }
 
-    /// Times one store step, counts what it moved, logs and counts failures.
-    async fn step(&self, name: &'static str, request: impl Future<Output = StepResult>) -> u64 {
+    /// Runs the store step `message()` builds until it catches up (see
+    /// [`Passes`]); answers the rows it moved in all.
+    async fn repeat<M>(&self, name: &'static str, message: impl Fn() -> M) -> u64
+    where
+        M: Message<Result = Result<u64, StoreError>> + Send + 'static,
+        StoreActor: Handler<M>,
+    {
+        let mut passes = Passes::new(self, name);
+        while passes.again(self.step(name, self.store.send(message())).await) {}
+        passes.moved
+    }
+
+    /// Times one store statement, counts what it moved, logs and counts
+    /// failures (`None`).
+    async fn step(
+        &self,
+        name: &'static str,
+        request: impl Future<Output = StepResult>,
+    ) -> Option<u64> {
         let started = Instant::now();
         let result = request.await;
         self.metrics
@@ -248,21 +320,34 @@ impl Cycle {
                     .upkeep_transitions
                     .with_label_values(&[name])
                     .inc_by(moved);
-                moved
+                Some(moved)
             }
             Ok(Err(err)) => self.failed(name, &err),
             Err(err) => self.failed(name, &err),
         }
     }
 
-    fn failed(&self, name: &'static str, err: &dyn std::fmt::Display) -> u64 {
+    fn failed<T>(&self, name: &'static str, err: &dyn std::fmt::Display) -> Option<T> {
         self.metrics.upkeep_errors.with_label_values(&[name]).inc();
         tracing::warn!(step = name, error = %err, "upkeep step failed");
-        0
+        None
     }
 
+    /// Overdue Processing rows; answers how many became Pending again.
     async fn processing_deadlines(&self) -> u64 {
         const NAME: &str = "processing_deadlines";
+        let mut passes = Passes::new(self, NAME);
+        let mut retried = 0;
+        loop {
+            let outcome = self.processing_deadlines_pass(NAME).await;
+            retried += outcome.map_or(0, |outcome| outcome.retried);
+            if !passes.again(outcome.map(|outcome| outcome.retried + outcome.failed)) {
+                return retried;
+            }
+        }
+    }
+
+    async fn processing_deadlines_pass(&self, name: &'static str) -> Option<DeadlineOutcome> {
         let started = Instant::now();
         let result = self
             .store
@@ -272,7 +357,7 @@ impl Cycle {
             .await;
         self.metrics
             .upkeep_duration
-            .with_label_values(&[NAME])
+            .with_label_values(&[name])
             .observe(started.elapsed().as_secs_f64());
         match result {
             Ok(Ok(outcome)) => {
@@ -284,21 +369,29 @@ impl Cycle {
                     .upkeep_transitions
                     .with_label_values(&["processing_deadline_failed"])
                     .inc_by(outcome.failed);
-                outcome.retried
+                Some(outcome)
             }
-            Ok(Err(err)) => self.failed(NAME, &err),
-            Err(err) => self.failed(NAME, &err),
+            Ok(Err(err)) => self.failed(name, &err),
+            Err(err) => self.failed(name, &err),
         }
     }
 
     /// Publishes Retry rows (as new activations) or dead letters (the stored
-    /// bytes), completing each row only once Kafka acknowledged it.
+    /// bytes), batch after batch like the other steps, completing each row
+    /// only once Kafka acknowledged it.
     async fn publish(&self, kind: PublishKind) {
-        let (name, label, topic) = match kind {
-            PublishKind::Retry => ("publish_retries", "retry", &self.config.retry_topic),
-            PublishKind::DeadLetter => {
-                ("publish_dead_letters", "deadletter", &self.config.dlq_topic)
-            }
+        let mut passes = Passes::new(self, publish_names(kind).0);
+        while passes.again(self.publish_pass(kind).await) {}
+    }
+
+    /// One batch of [`Cycle::publish`]. Answers how many rows it took, or
+    /// `None` when it failed or Kafka did not acknowledge every record
+    /// (publishing more now would only wait on Kafka again).
+    async fn publish_pass(&self, kind: PublishKind) -> Option<u64> {
+        let (name, label) = publish_names(kind);
+        let topic = match kind {
+            PublishKind::Retry => &self.config.retry_topic,
+            PublishKind::DeadLetter => &self.config.dlq_topic,
         };
         let started = Instant::now();
         let taken = match self
@@ -311,18 +404,13 @@ impl Cycle {
             .await
         {
             Ok(Ok(rows)) => rows,
-            Ok(Err(err)) => {
-                self.failed(name, &err);
-                return;
-            }
-            Err(err) => {
-                self.failed(name, &err);
-                return;
-            }
+            Ok(Err(err)) => return self.failed(name, &err),
+            Err(err) => return self.failed(name, &err),
         };
         if taken.is_empty() {
-            return;
+            return Some(0);
         }
+        let count = u64::try_from(taken.len()).unwrap_or(u64::MAX);
         let now = chrono::Utc::now();
         let deliveries = taken.into_iter().map(|row| {
             let producer = self.producer.clone();
@@ -330,21 +418,19 @@ impl Cycle {
             let timeout = self.config.delivery_timeout;
             async move {
                 let (key, payload) = match kind {
+                    // Dead letters keep the original activation, id and bytes.
                     PublishKind::DeadLetter => (row.id.clone(), row.activation),
-                    PublishKind::Retry => {
-                        let new_id = uuid::Uuid::new_v4().to_string();
-                        match retry_activation(&row.activation, new_id.clone(), now) {
-                            Ok(bytes) => (new_id, bytes),
-                            Err(err) => {
-                                // Cannot happen for rows that passed ingest;
-                                // completing it is the only way not to loop.
-                                tracing::error!(activation_id = %row.id, error = %err,
-                                    "stored activation cannot be retried; completing it");
-                                metrics.published.with_label_values(&[label, "error"]).inc();
-                                return Some(row.id);
-                            }
+                    PublishKind::Retry => match retry_activation(&row.activation, now) {
+                        Ok(retry) => retry,
+                        Err(err) => {
+                            // Cannot happen for rows that passed ingest;
+                            // completing it is the only way not to loop.
+                            tracing::error!(activation_id = %row.id, error = %err,
+                                "stored activation cannot be retried; completing it");
+                            metrics.published.with_label_values(&[label, "error"]).inc();
+                            return Delivery::Done(row.id);
                         }
-                    }
+                    },
                 };
                 let sent = producer
                     .send(
@@ -355,61 +441,93 @@ impl Cycle {
                 match sent {
                     Ok(_) => {
                         metrics.published.with_label_values(&[label, "ok"]).inc();
-                        Some(row.id)
+                        Delivery::Done(row.id)
+                    }
+                    // Kafka will never take this record: publishing it
+                    // again every lease would loop forever. Give it up:
+                    // a retry that cannot be written fails the task, a dead
+                    // letter that cannot be written is dropped.
+                    Err((err, _)) if too_large(&err) => {
+                        metrics
+                            .published
+                            .with_label_values(&[label, "too_large"])
+                            .inc();
+                        tracing::error!(activation_id = %row.id, bytes = payload.len(),
+                            topic = %topic, kind = label,
+                            "record too large for Kafka; giving it up \
+                             (a retry fails the task, a dead letter is dropped)");
+                        Delivery::Done(row.id)
                     }
                     Err((err, _)) => {
                         metrics.published.with_label_values(&[label, "error"]).inc();
                         tracing::warn!(activation_id = %row.id, error = %err, topic = %topic,
                             "publish not acknowledged; the row stays and is published later");
-                        None
+                        Delivery::Failed
                     }
                 }
             }
         });
-        let acknowledged: Vec<String> = futures::future::join_all(deliveries)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
-        match self.store.send(MarkPublished { ids: acknowledged }).await {
-            Ok(Ok(completed)) => self
-                .metrics
-                .upkeep_transitions
-                .with_label_values(&[name])
-                .inc_by(completed),
-            // The records are on Kafka but the rows stay: after the lease they
-            // are published again (a duplicate, never a loss).
-            Ok(Err(err)) => {
-                self.failed(name, &err);
-            }
-            Err(err) => {
-                self.failed(name, &err);
+        let mut all_delivered = true;
+        let mut done = Vec::new();
+        for delivery in futures::future::join_all(deliveries).await {
+            match delivery {
+                Delivery::Done(id) => done.push(id),
+                Delivery::Failed => all_delivered = false,
             }
         }
+        let marked = match self.store.send(MarkPublished { ids: done }).await {
+            Ok(Ok(completed)) => {
+                self.metrics
+                    .upkeep_transitions
+                    .with_label_values(&[name])
+                    .inc_by(completed);
+                Some(count)
+            }
+            // The records are on Kafka but the rows stay: after the lease they
+            // are published again with the same ids (a duplicate that ingest
+            // drops, never a loss).
+            Ok(Err(err)) => self.failed(name, &err),
+            Err(err) => self.failed(name, &err),
+        };
         self.metrics
             .upkeep_duration
             .with_label_values(&[name])
             .observe(started.elapsed().as_secs_f64());
+        marked.filter(|_| all_delivered)
     }
 
     async fn refresh_gauges(&self) {
         match self.store.send(CountByStatus {}).await {
             Ok(Ok(counts)) => self.metrics.set_status_counts(&counts),
-            Ok(Err(err)) => {
-                self.failed("count_by_status", &err);
-            }
-            Err(err) => {
-                self.failed("count_by_status", &err);
-            }
+            Ok(Err(err)) => self.failed("count_by_status", &err).unwrap_or(()),
+            Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
         }
         match self.store.send(MaxPendingLag {}).await {
             Ok(Ok(lag)) => self.metrics.max_lag_seconds.set(lag),
-            Ok(Err(err)) => {
-                self.failed("max_pending_lag", &err);
-            }
-            Err(err) => {
-                self.failed("max_pending_lag", &err);
-            }
+            Ok(Err(err)) => self.failed("max_pending_lag", &err).unwrap_or(()),
+            Err(err) => self.failed("max_pending_lag", &err).unwrap_or(()),
         }
+    }
+}
+
+/// What became of one row's record.
+enum Delivery {
+    /// Acknowledged, or given up for good: the row is completed.
+    Done(String),
+    /// Not acknowledged: the row stays and is published after its lease.
+    Failed,
+}
+
+/// Whether Kafka refused a record for its size: librdkafka's own check
+/// against the producer's `message.max.bytes`, or the broker's answer.
+fn too_large(err: &KafkaError) -> bool {
+    err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
+}
+
+/// A publish step's name (metrics, logs) and `kind` label.
+fn publish_names(kind: PublishKind) -> (&'static str, &'static str) {
+    match kind {
+        PublishKind::Retry => ("publish_retries", "retry"),
+        PublishKind::DeadLetter => ("publish_dead_letters", "deadletter"),
     }
 }

@@ -3,11 +3,15 @@
 //!
 //! Status codes (PROTOCOL.md's table): GetTask in push mode →
 //! PERMISSION_DENIED; nothing claimable → NOT_FOUND; a status that is not
-//! FAILURE, RETRY or COMPLETE → INVALID_ARGUMENT (a batch is validated whole
-//! before anything is written); unknown ids → OK (counted: the task was
-//! already finished or removed, and worker runtimes re-send a failed call
-//! forever); the store unavailable → UNAVAILABLE. Every status write is
-//! idempotent and durable before the call returns.
+//! FAILURE, RETRY or COMPLETE, an id with a NUL character or longer than
+//! `MAX_ID_BYTES`, or a request that does not decode (`codec.rs`) →
+//! INVALID_ARGUMENT for that request only (a batch is validated whole before
+//! anything is written); unknown ids → OK (counted: the task was already
+//! finished or removed, and worker runtimes re-send a failed call forever);
+//! the store unavailable → UNAVAILABLE; any other store failure → INTERNAL.
+//! Store failures reach the client as a fixed message: the database's own
+//! text (which may quote other requests' data) is only logged. Every status
+//! write is idempotent and durable before the call returns.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +20,7 @@ use actix::prelude::*;
 use prost::Message as _;
 use tonic::{Request, Response, Status};
 
+use crate::activation::{MAX_ID_BYTES, check_text};
 use crate::actors::StoreActor;
 use crate::actors::store::{ClaimForPull, ReportStatus, SetStatus};
 use crate::config::DeliveryMode;
@@ -108,6 +113,8 @@ fn worker_update(request: &SetTaskStatusRequest) -> Result<StatusUpdate, Status>
             )));
         }
     };
+    check_text("id", &request.id, MAX_ID_BYTES)
+        .map_err(|err| Status::invalid_argument(format!("invalid report: {err}")))?;
     let mut update = StatusUpdate::new(request.id.clone(), status);
     if status == WorkerStatus::Retry {
         update.max_attempts = request.max_attempts;
@@ -131,15 +138,23 @@ fn filter(namespace: Option<String>, application: Option<String>) -> PullFilter 
     }
 }
 
+/// Messages of the statuses a store failure becomes: fixed, so no driver or
+/// database text reaches a client.
+const STORE_UNAVAILABLE: &str = "store unavailable";
+const STORE_FAILED: &str = "internal store error";
+
 fn unavailable(err: MailboxError) -> Status {
-    Status::unavailable(format!("store not reachable: {err}"))
+    tracing::warn!(error = %err, "store actor not reachable from the worker API");
+    Status::unavailable(STORE_UNAVAILABLE)
 }
 
 fn store_status(err: StoreError) -> Status {
     if err.is_unavailable() {
-        Status::unavailable(err.to_string())
+        tracing::warn!(error = %err, "worker API call failed: store unavailable");
+        Status::unavailable(STORE_UNAVAILABLE)
     } else {
-        Status::internal(err.to_string())
+        tracing::error!(error = %err, "worker API call failed in the store");
+        Status::internal(STORE_FAILED)
     }
 }
 

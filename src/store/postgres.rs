@@ -351,17 +351,24 @@ const FAIL_CLAIM_ATTEMPT: &str = concat!(
 );
 
 // Counts are over distinct ids; `existing` is read from the statement's
-// snapshot, i.e. before the update.
+// snapshot, i.e. before the update. `late` marks reports that likely come
+// from an earlier delivery (the row is past its processing deadline, or was
+// delivered before): `held` keeps the locked row's values from before the
+// update, so the count needs no second query.
 const SET_STATUS: &str = "WITH u AS (SELECT DISTINCT ON (id) id, status \
        FROM unnest($1::text[], $2::text[]) AS u(id, status)), \
-     held AS MATERIALIZED (SELECT t.id FROM inflight_taskactivations t JOIN u ON t.id = u.id \
+     held AS MATERIALIZED (SELECT t.id, \
+         (t.status = 'Processing' AND t.processing_deadline < now()) \
+           OR t.processing_attempts > 0 AS late \
+       FROM inflight_taskactivations t JOIN u ON t.id = u.id \
        WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
      updated AS (UPDATE inflight_taskactivations t SET status = u.status FROM u, held \
        WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
-       RETURNING t.id) \
+       RETURNING held.late) \
      SELECT (SELECT count(*) FROM u), \
             (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
-            (SELECT count(*) FROM updated)";
+            (SELECT count(*) FROM updated), \
+            (SELECT count(*) FROM updated WHERE late)";
 
 const LOCK_FOR_RETRY_EDIT: &str = "SELECT id, activation FROM inflight_taskactivations \
      WHERE id = ANY($1) AND status IN ('Claimed', 'Processing') ORDER BY id FOR UPDATE";
@@ -705,6 +712,7 @@ impl ActivationStore for PostgresStore {
             updated,
             ignored: existing.saturating_sub(updated),
             missing: distinct.saturating_sub(existing),
+            late: count(3)?,
         })
     }
 

@@ -732,8 +732,16 @@ const FAIL_CLAIM_ATTEMPT: &str = fenced_claims!(
      status = CASE WHEN processing_attempts + 1 >= ?2 THEN 'Failure' ELSE 'Pending' END"
 );
 
+// Answers one row when the report applied, saying whether it likely came
+// from an earlier delivery (`?3` now): past the processing deadline, or
+// delivered before. The update changes only `status`, so RETURNING sees the
+// deadline and attempts as they were. Of Claimed and Processing rows only
+// Processing ones carry a deadline (handing a task out sets it, deadline
+// expiry clears it), so no status test is needed.
 const SET_STATUS: &str = "UPDATE inflight_taskactivations SET status = ?2 \
-     WHERE id = ?1 AND status IN ('Claimed', 'Processing')";
+     WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
+     RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
+       OR processing_attempts > 0";
 
 const EXISTS: &str = "SELECT 1 FROM inflight_taskactivations WHERE id = ?1";
 
@@ -1015,14 +1023,20 @@ impl ActivationStore for SqliteStore {
                 if update.edits_retry_state() {
                     rewrite_stored_retry_state(connection, update)?;
                 }
-                let changed = execute(
-                    connection,
-                    OP,
-                    SET_STATUS,
-                    params![update.id, status_name(update.status)],
-                )?;
-                if changed > 0 {
+                let applied: Option<bool> = connection
+                    .prepare_cached(SET_STATUS)
+                    .and_then(|mut statement| {
+                        statement
+                            .query_row(
+                                params![update.id, status_name(update.status), now_micros()],
+                                |row| row.get(0),
+                            )
+                            .optional()
+                    })
+                    .map_err(|e| sql_error(OP, e))?;
+                if let Some(late) = applied {
                     outcome.updated += 1;
+                    outcome.late += u64::from(late);
                 } else if exists(connection, &update.id)? {
                     outcome.ignored += 1;
                 } else {

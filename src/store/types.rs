@@ -226,6 +226,11 @@ pub struct StatusUpdateOutcome {
     pub ignored: u64,
     /// Ids with no row (already removed, or never stored).
     pub missing: u64,
+    /// Of `updated`, reports that likely came from an earlier delivery of
+    /// the task: the row was Processing past its deadline, or had been
+    /// delivered before (`processing_attempts` > 0). Reports carry only the
+    /// id, so such a report still sets the status (PROTOCOL.md).
+    pub late: u64,
 }
 
 /// What the processing-deadline upkeep step did.

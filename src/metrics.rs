@@ -190,6 +190,8 @@ pub mod labels {
         "count_by_status",
         "max_pending_lag",
         "get",
+        "fail_claims",
+        "defer_claims",
     ];
     /// The `kind` of `taskbroker_store_operation_errors_total`: what
     /// `StoreError::kind` answers for a running operation (migration and

@@ -31,11 +31,15 @@ pub struct Metrics {
     /// push_failed, lease_expired, shutdown, dropped).
     pub claims_released: IntCounterVec,
     /// PushTask outcomes, by result (ok, error, busy, timeout, unroutable,
-    /// undecodable); `stale` counts the ok pushes whose row had moved on
+    /// undecodable, too_large, lease_expired: not pushed, its claim had too
+    /// little lease left); `stale` counts the ok pushes whose row had moved on
     /// before the mark-processing write (claimed again, or already reported).
     pub pushes: IntCounterVec,
     /// Duration of PushTask RPCs.
     pub push_duration: Histogram,
+    /// Activations deferred because no worker endpoint serves their
+    /// application (a `WORKER_ENDPOINTS` mistake, alerted on).
+    pub push_no_route: IntCounter,
     /// Time from `received_at` until the activation was claimed.
     pub received_to_claimed: Histogram,
     /// Time from `received_at` until a worker accepted the push.
@@ -94,6 +98,8 @@ pub mod labels {
         "unroutable",
         "undecodable",
         "stale",
+        "too_large",
+        "lease_expired",
     ];
     /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
     pub const CONSUMER_RESULTS: &[&str] = &["stored", "duplicate", "invalid", "expired"];
@@ -290,6 +296,10 @@ impl Metrics {
             "Duration of PushTask RPCs.",
             &push_buckets,
         );
+        let push_no_route = counter(
+            "taskbroker_push_no_route_total",
+            "Activations deferred (Delay, no attempt consumed) because no worker endpoint serves their application.",
+        );
         let received_to_claimed = histogram(
             "taskbroker_received_to_claimed_seconds",
             "Time from an activation's received_at until it was claimed.",
@@ -388,6 +398,7 @@ impl Metrics {
             Box::new(claims_released.clone()),
             Box::new(pushes.clone()),
             Box::new(push_duration.clone()),
+            Box::new(push_no_route.clone()),
             Box::new(received_to_claimed.clone()),
             Box::new(received_to_pushed.clone()),
         ] {
@@ -407,6 +418,7 @@ impl Metrics {
             claims_released,
             pushes,
             push_duration,
+            push_no_route,
             received_to_claimed,
             received_to_pushed,
             consumer_records,

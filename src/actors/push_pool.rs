@@ -80,8 +80,12 @@ pub const NO_ROUTE_BACKOFF: Duration = Duration::from_secs(30);
 /// lease's 5 s margin, so a `CLAIM_LEASE_MS` at the validated minimum still
 /// pushes everything but the very tail of a saturated queue.
 const MARK_PROCESSING_MARGIN: Duration = Duration::from_secs(1);
-/// At most one "no worker endpoint" log line in this interval.
+/// At most one "no worker endpoint" log line per application in this
+/// interval.
 const NO_ROUTE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Applications whose last "no worker endpoint" line is remembered; names
+/// come from the tasks, so the memory of them is bounded.
+const NO_ROUTE_LOG_APPLICATIONS: usize = 1024;
 
 /// Settings of the push pool.
 #[derive(Debug, Clone)]
@@ -137,9 +141,9 @@ struct PushShared {
     router: Router,
     store: Addr<StoreActor>,
     metrics: Arc<Metrics>,
-    /// When the last "no worker endpoint" line was logged, and how many
-    /// activations were deferred since.
-    no_route_log: Mutex<(Option<Instant>, u64)>,
+    /// Per application: when its last "no worker endpoint" line was
+    /// logged, and how many of its activations were deferred since.
+    no_route_log: Mutex<HashMap<String, (Instant, u64)>>,
 }
 
 impl PushPoolActor {
@@ -174,7 +178,7 @@ impl PushPoolActor {
                 router,
                 store,
                 metrics,
-                no_route_log: Mutex::new((None, 0)),
+                no_route_log: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -460,28 +464,37 @@ impl PushShared {
         claim.settle();
     }
 
-    /// One line per [`NO_ROUTE_LOG_INTERVAL`], naming the application.
+    /// One line per application and [`NO_ROUTE_LOG_INTERVAL`].
     fn log_no_route(&self, application: &str) {
         let mut log = self
             .no_route_log
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
-        if log
-            .0
-            .is_some_and(|at| now.duration_since(at) < NO_ROUTE_LOG_INTERVAL)
+        if let Some((at, deferred)) = log.get_mut(application)
+            && now.duration_since(*at) < NO_ROUTE_LOG_INTERVAL
         {
-            log.1 += 1;
+            *deferred += 1;
             return;
         }
+        if log.len() >= NO_ROUTE_LOG_APPLICATIONS && !log.contains_key(application) {
+            log.retain(|_, (at, _)| now.duration_since(*at) < NO_ROUTE_LOG_INTERVAL);
+            if log.len() >= NO_ROUTE_LOG_APPLICATIONS {
+                // That many misrouted applications within one interval:
+                // the counter and the lines already logged tell the story.
+                return;
+            }
+        }
+        let deferred = log
+            .insert(application.to_owned(), (now, 0))
+            .map_or(0, |(_, deferred)| deferred);
         tracing::warn!(
             application,
-            deferred_since_last_log = log.1,
+            deferred_since_last_log = deferred,
             backoff_s = NO_ROUTE_BACKOFF.as_secs(),
             "no worker endpoint for this application (check TASKBROKER_WORKER_ENDPOINTS); \
              its activations wait in Delay"
         );
-        *log = (Some(now), 0);
     }
 
     /// The activation can never be delivered by this broker: consume an

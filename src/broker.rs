@@ -4,11 +4,13 @@
 //! the broker uses every core: the StoreActor and its queries on one, the
 //! push pool and its RPCs on another, the FetchActors on a third.
 //!
-//! Stopping goes in the order that loses and strands nothing: the consumer
-//! stores and commits what it read; the FetchActors finish their current
-//! batch (submitted or released) and stop; the push pool takes everything
-//! already in its mailbox and lets in-flight pushes finish; any claim still
-//! held is released in one statement; upkeep stops; the store goes last.
+//! Stopping goes in the order that loses and strands nothing and waits for
+//! nothing it need not: the consumer stores and commits what it read; the
+//! push pipeline's shutdown signal stops every FetchActor (even mid-batch)
+//! and the push pool at once, so nothing more is claimed or pushed; pushes
+//! already in flight end within their push timeout; every claim not pushed
+//! (the rest of a batch, the pool's mailbox, the message it held waiting for
+//! a slot) is released in one statement; upkeep stops; the store goes last.
 
 use std::sync::Arc;
 
@@ -84,8 +86,9 @@ impl PushPipeline {
         let push_arbiter = Arbiter::new();
         let push_pool = {
             let (push, store, metrics) = (config.push.clone(), store.clone(), Arc::clone(&metrics));
+            let registry = registry.clone();
             PushPoolActor::start_in_arbiter(&push_arbiter.handle(), move |_| {
-                PushPoolActor::new(push, store, metrics)
+                PushPoolActor::new(push, store, metrics, registry)
             })
         };
         let fetch_arbiter = Arbiter::new();
@@ -123,13 +126,20 @@ impl PushPipeline {
     /// Stops fetching and pushing without stranding a claim (see the module
     /// docs for the order).
     pub async fn stop(self) {
+        // At once: FetchActors stop claiming and submitting (mid-batch too),
+        // the push pool stops pushing, and every claim dropped from now on
+        // stays registered for the one release below.
+        self.registry.begin_shutdown();
         for fetcher in &self.fetchers {
-            // Resolves after the current batch is submitted or released.
+            // Resolves once its current iteration has seen the signal.
             let _ = fetcher.send(StopFetching).await;
         }
+        // The mailbox empties at once (nothing in it is pushed); this
+        // resolves when the pushes in flight have ended, within their
+        // push timeout, and their outcomes are written.
         let _ = self.push_pool.send(DrainPushPool).await;
         let _ = self.push_pool.send(StopPushPool).await;
-        let left: Vec<_> = self.registry.snapshot().into_iter().collect();
+        let left = self.registry.take_all();
         if !left.is_empty() {
             let count = left.len() as u64;
             match self.store.send(ReleaseClaims { claims: left }).await {

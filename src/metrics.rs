@@ -31,11 +31,15 @@ pub struct Metrics {
     /// push_failed, lease_expired, shutdown, dropped).
     pub claims_released: IntCounterVec,
     /// PushTask outcomes, by result (ok, error, busy, timeout, unroutable,
-    /// undecodable); `stale` counts the ok pushes whose row had moved on
+    /// undecodable, too_large, lease_expired: not pushed, its claim had too
+    /// little lease left); `stale` counts the ok pushes whose row had moved on
     /// before the mark-processing write (claimed again, or already reported).
     pub pushes: IntCounterVec,
     /// Duration of PushTask RPCs.
     pub push_duration: Histogram,
+    /// Activations deferred because no worker endpoint serves their
+    /// application (a `WORKER_ENDPOINTS` mistake, alerted on).
+    pub push_no_route: IntCounter,
     /// Time from `received_at` until the activation was claimed.
     pub received_to_claimed: Histogram,
     /// Time from `received_at` until a worker accepted the push.
@@ -99,6 +103,8 @@ pub mod labels {
         "unroutable",
         "undecodable",
         "stale",
+        "too_large",
+        "lease_expired",
     ];
     /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
     pub const CONSUMER_RESULTS: &[&str] = &["stored", "duplicate", "invalid", "expired"];
@@ -200,6 +206,8 @@ pub mod labels {
         "count_by_status",
         "max_pending_lag",
         "get",
+        "fail_claims",
+        "defer_claims",
     ];
     /// The `kind` of `taskbroker_store_operation_errors_total`: what
     /// `StoreError::kind` answers for a running operation (migration and
@@ -297,6 +305,10 @@ impl Metrics {
             "taskbroker_push_duration_seconds",
             "Duration of PushTask RPCs.",
             &push_buckets,
+        );
+        let push_no_route = counter(
+            "taskbroker_push_no_route_total",
+            "Activations deferred (Delay, no attempt consumed) because no worker endpoint serves their application.",
         );
         let received_to_claimed = histogram(
             "taskbroker_received_to_claimed_seconds",
@@ -405,6 +417,7 @@ impl Metrics {
             Box::new(claims_released.clone()),
             Box::new(pushes.clone()),
             Box::new(push_duration.clone()),
+            Box::new(push_no_route.clone()),
             Box::new(received_to_claimed.clone()),
             Box::new(received_to_pushed.clone()),
         ] {
@@ -424,6 +437,7 @@ impl Metrics {
             claims_released,
             pushes,
             push_duration,
+            push_no_route,
             received_to_claimed,
             received_to_pushed,
             consumer_records,
@@ -586,7 +600,8 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 25, "{text}");
+        assert_eq!(families, 26, "{text}");
+        assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
         assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));

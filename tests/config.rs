@@ -434,15 +434,35 @@ fn metrics_may_not_share_the_grpc_port() {
 }
 
 #[test]
-fn claim_lease_shorter_than_submit_and_push_timeouts_is_refused() {
+fn claim_lease_shorter_than_the_legitimate_push_path_is_refused() {
+    // With the defaults: 2000 + ⌈(128 + 2 + 1) / 64⌉ = 3 rounds × 5000 + 5000.
     assert_single_problem(
-        &[("TASKBROKER_CLAIM_LEASE_MS", "6999")],
-        "TASKBROKER_CLAIM_LEASE_MS=6999: must be at least TASKBROKER_PUSH_QUEUE_TIMEOUT_MS + \
-         TASKBROKER_PUSH_TIMEOUT_MS = 2000 + 5000 = 7000 ms, or unset to derive it, so a claim \
-         cannot expire while its push may still succeed",
+        &[("TASKBROKER_CLAIM_LEASE_MS", "21999")],
+        "TASKBROKER_CLAIM_LEASE_MS=21999: must be at least TASKBROKER_PUSH_QUEUE_TIMEOUT_MS + \
+         ⌈(TASKBROKER_PUSH_QUEUE_SIZE + TASKBROKER_FETCH_ACTORS + 1) / \
+         TASKBROKER_PUSH_CONCURRENCY⌉ × TASKBROKER_PUSH_TIMEOUT_MS + TASKBROKER_PUSH_TIMEOUT_MS \
+         = 2000 + ⌈(128 + 2 + 1) / 64⌉ × 5000 + 5000 = 22000 ms, or unset to derive it, so a \
+         claim cannot expire while its push may still succeed",
     );
-    let config = parse_ok(&[("TASKBROKER_CLAIM_LEASE_MS", "7000")]);
-    assert_eq!(config.claim_lease(), Duration::from_millis(7000));
+    let config = parse_ok(&[("TASKBROKER_CLAIM_LEASE_MS", "22000")]);
+    assert_eq!(config.claim_lease(), Duration::from_millis(22000));
+}
+
+/// Issue 13's example: a deep queue drained by one slot needs hours, not 7 s.
+#[test]
+fn claim_lease_far_below_a_deep_single_slot_queue_is_refused() {
+    let error = parse_err(&[
+        ("TASKBROKER_CLAIM_LEASE_MS", "7000"),
+        ("TASKBROKER_PUSH_QUEUE_SIZE", "4096"),
+        ("TASKBROKER_PUSH_CONCURRENCY", "1"),
+    ]);
+    assert_eq!(error.problems.len(), 1, "{error}");
+    let problem = &error.problems[0];
+    assert_eq!(problem.variable, "TASKBROKER_CLAIM_LEASE_MS");
+    // 2000 + (4096 + 2 + 1) × 5000 + 5000
+    let text = problem.to_string();
+    assert!(text.contains("TASKBROKER_CLAIM_LEASE_MS=7000"), "{text}");
+    assert!(text.contains("= 20502000 ms"), "{text}");
 }
 
 #[test]
@@ -515,8 +535,8 @@ fn odd_input_is_an_error_not_a_panic() {
 #[test]
 fn derived_claim_lease_follows_the_documented_formula() {
     let config = parse_ok(&[]);
-    // 2000 + ceil(128 / 64) × 5000 + 5000 + 5000
-    assert_eq!(config.claim_lease(), Duration::from_millis(22_000));
+    // 2000 + ceil((128 + 2 + 1) / 64) × 5000 + 5000 + 5000
+    assert_eq!(config.claim_lease(), Duration::from_millis(27_000));
     assert_eq!(CLAIM_LEASE_MARGIN, Duration::from_millis(5000));
 
     let config = parse_ok(&[
@@ -525,8 +545,19 @@ fn derived_claim_lease_follows_the_documented_formula() {
         ("TASKBROKER_PUSH_CONCURRENCY", "30"),
         ("TASKBROKER_PUSH_TIMEOUT_MS", "2000"),
     ]);
-    // 1000 + ceil(100 / 30) = 4 rounds × 2000 + 2000 + 5000
+    // 1000 + ceil((100 + 2 + 1) / 30) = 4 rounds × 2000 + 2000 + 5000
     assert_eq!(config.claim_lease(), Duration::from_millis(16_000));
+
+    // One sender handle per FetchActor and the message the pool holds count
+    // as queue places: 1000 + ceil((4 + 8 + 1) / 1) = 13 rounds × 1000 + 1000 + 5000.
+    let config = parse_ok(&[
+        ("TASKBROKER_PUSH_QUEUE_TIMEOUT_MS", "1000"),
+        ("TASKBROKER_PUSH_QUEUE_SIZE", "4"),
+        ("TASKBROKER_FETCH_ACTORS", "8"),
+        ("TASKBROKER_PUSH_CONCURRENCY", "1"),
+        ("TASKBROKER_PUSH_TIMEOUT_MS", "1000"),
+    ]);
+    assert_eq!(config.claim_lease(), Duration::from_millis(20_000));
 }
 
 #[test]
@@ -561,7 +592,7 @@ fn render_effective_lists_every_setting_in_table_order() {
             assert_eq!(value, setting.default, "defaults render as written");
         }
     }
-    assert!(lines.contains(&"TASKBROKER_CLAIM_LEASE_MS=22000 (derived)"));
+    assert!(lines.contains(&"TASKBROKER_CLAIM_LEASE_MS=27000 (derived)"));
     assert!(lines.contains(&"TASKBROKER_KAFKA_RETRY_TOPIC=taskworker (derived)"));
     assert!(lines.contains(&"TASKBROKER_GRPC_ADVERTISED_ADDR=<host name>:50051 (derived)"));
     assert!(lines.contains(&"TASKBROKER_DATABASE_URL="));
@@ -650,5 +681,5 @@ fn docs_table_has_one_row_per_setting() {
             setting.name
         );
     }
-    assert!(markdown.contains("With the defaults that is 22000 ms."));
+    assert!(markdown.contains("With the defaults that is 27000 ms."));
 }

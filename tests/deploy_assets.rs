@@ -315,7 +315,7 @@ fn label_values_the_assets_filter_on_are_emitted_by_the_code() {
         ),
         ("taskbroker_published_total", "kind", "deadletter"),
         ("taskbroker_pushes_total", "result", "timeout"),
-        ("taskbroker_pushes_total", "result", "unroutable"),
+        ("taskbroker_pushes_total", "result", "too_large"),
         ("taskbroker_activations", "status", "Claimed"),
         (
             "taskbroker_upkeep_transitions_total",

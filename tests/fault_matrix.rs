@@ -619,6 +619,8 @@ async fn push_pool_saturated_for_a_long_stretch() {
             ("PUSH_QUEUE_SIZE", "4"),
             ("FETCH_BATCH_SIZE", "32"),
             ("FETCH_ACTORS", "4"),
+            // The legitimate path here: 200 + ⌈(4 + 4 + 1) / 2⌉ × 1000 + 1000.
+            ("CLAIM_LEASE_MS", "7000"),
         ],
     );
     let (stop_watch, worst_overdue) = matrix.watch_claims();

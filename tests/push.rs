@@ -7,6 +7,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -15,12 +16,14 @@ use common::worker::{DemoWorker, FakeWorker, Mode};
 use common::{Backend, TestStore, rows, wait_until};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::fetch::FetchConfig;
-use taskbroker::actors::push_pool::{PushPoolConfig, StopPushPool};
+use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, PushPoolConfig, StopPushPool};
 use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
-use taskbroker::store::{ActivationStatus, ActivationStore, BucketRange};
+use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
+use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
+use taskbroker::store::{ActivationStatus, ActivationStore, BucketRange, InflightActivation};
 
 on_both_backends!(
     happy_path_pushes_every_activation_exactly_once,
@@ -104,6 +107,10 @@ fn endpoints(workers: &[&DemoWorker]) -> WorkerEndpoints {
 }
 
 fn config(workers: &[&DemoWorker]) -> PushPipelineConfig {
+    config_with(endpoints(workers))
+}
+
+fn config_with(endpoints: WorkerEndpoints) -> PushPipelineConfig {
     PushPipelineConfig {
         fetch_actors: 4,
         fetch: FetchConfig {
@@ -121,15 +128,18 @@ fn config(workers: &[&DemoWorker]) -> PushPipelineConfig {
             max_attempts: 5,
             callback_url: "broker.test:50051".to_owned(),
             signing_secret: None,
-            endpoints: endpoints(workers),
+            endpoints,
         },
     }
 }
 
-/// The claim lease as DESIGN.md derives it.
+/// The claim lease as `Config::claim_lease` derives it: the mailbox holds
+/// the queue size plus one message per FetchActor (one sender handle each),
+/// and the pool holds one more while it waits for a slot.
 fn derived_lease(config: &PushPipelineConfig) -> Duration {
     let push = &config.push;
-    let waits = push.queue_size.div_ceil(push.concurrency) as u32;
+    let waiting = push.queue_size + config.fetch_actors + 1;
+    let waits = waiting.div_ceil(push.concurrency) as u32;
     config.fetch.queue_timeout + push.push_timeout * waits + push.push_timeout + LEASE_MARGIN
 }
 
@@ -560,8 +570,10 @@ async fn hanging_push_times_out_and_is_undone_without_duplicates() {
     assert_eq!(harness.attempts_consumed().await, 0);
 }
 
+/// Issue 13 item 5: a `WORKER_ENDPOINTS` typo must not burn every attempt
+/// in a tight loop and discard the tasks within seconds.
 #[actix_rt::test]
-async fn unroutable_activations_consume_attempts_until_failure() {
+async fn activations_without_an_endpoint_wait_in_delay_without_consuming_attempts() {
     let harness = Harness::new().await;
     let worker = FakeWorker::start(Mode::accept()).await;
     let mut config = config(&[&worker]);
@@ -571,11 +583,25 @@ async fn unroutable_activations_consume_attempts_until_failure() {
     harness.insert("lost", 10).await; // application "app": no endpoint
     let pipeline = harness.start(config);
     harness
-        .wait_for(ActivationStatus::Failure, 10, Duration::from_secs(30))
+        .wait_for(ActivationStatus::Delay, 10, Duration::from_secs(30))
         .await;
     pipeline.stop().await;
-    assert_eq!(harness.pushes("unroutable"), 30);
-    assert_eq!(harness.attempts_consumed().await, 30);
+    let now = Utc::now();
+    for id in (0..10).map(|i| format!("lost-{i}")) {
+        let row = harness.store.get(&id).await.unwrap().expect("row kept");
+        assert_eq!(row.status, ActivationStatus::Delay);
+        assert_eq!(row.processing_attempts, 0, "no attempt consumed");
+        let until = row.delay_until.expect("deferred until a time");
+        let backoff = chrono::TimeDelta::from_std(NO_ROUTE_BACKOFF).unwrap();
+        assert!(
+            until > now + backoff - chrono::TimeDelta::seconds(10),
+            "{until}"
+        );
+        assert!(until <= now + backoff, "{until}");
+    }
+    assert_eq!(harness.metrics.push_no_route.get(), 10);
+    assert_eq!(harness.pushes("unroutable"), 10);
+    assert_eq!(harness.count(ActivationStatus::Failure).await, 0);
     assert_eq!(worker.seen.attempts(), 0);
 }
 
@@ -640,4 +666,307 @@ async fn idle_fetch_actors_are_woken_when_rows_are_stored() {
         .await;
     assert_eq!(Metrics::count(&metrics.pushes, "ok"), 10);
     pipeline.stop().await;
+}
+
+// ------------------------------------------------------------ issue 13
+
+impl Harness {
+    async fn insert_rows(&self, rows: &[InflightActivation]) {
+        self.store.insert_batch(rows).await.expect("insert");
+    }
+}
+
+/// `n` Pending at_most_once rows `{prefix}-{i}`.
+fn at_most_once_rows(prefix: &str, n: usize) -> Vec<InflightActivation> {
+    (0..n)
+        .map(|i| {
+            let mut task = common::task(&format!("{prefix}-{i}"));
+            if let Some(retry) = task.retry_state.as_mut() {
+                retry.at_most_once = Some(true);
+            }
+            common::row_from(&task)
+        })
+        .collect()
+}
+
+/// Calls upkeep's expired-claim step every 50 ms until dropped, counting
+/// what it returns: a claim that expired while this broker held it.
+struct ExpiryWatch {
+    released: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ExpiryWatch {
+    fn start(store: Arc<dyn ActivationStore>) -> ExpiryWatch {
+        let released = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&released);
+        let task = tokio::spawn(async move {
+            loop {
+                if let Ok(n) = store.release_expired_claims(1000).await {
+                    counter.fetch_add(n, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        ExpiryWatch { released, task }
+    }
+
+    fn released(&self) -> u64 {
+        self.released.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for ExpiryWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 13 item 3: each sender handle may put one message beyond the
+/// mailbox's capacity, so FetchActors that took a fresh handle per
+/// iteration grew the queue without bound. With one handle each, the pool
+/// accepts at most queue + fetch actors (mailbox) + 1 (held) + concurrency
+/// (in flight), however long it stays saturated.
+#[actix_rt::test]
+async fn saturating_fetch_actors_never_overfill_the_push_pool_mailbox() {
+    let harness = Harness::new().await;
+    let mut hang = FakeWorker::start(Mode::Hang).await;
+    let mut config = config(&[&hang]);
+    config.fetch_actors = 4;
+    config.fetch.batch_size = 8;
+    config.fetch.queue_timeout = Duration::from_millis(20);
+    config.fetch.backoff = Duration::from_millis(5);
+    config.fetch.lease = Duration::from_secs(600);
+    config.push.concurrency = 1;
+    config.push.queue_size = 2;
+    config.push.push_timeout = Duration::from_secs(60);
+    harness.insert("flood", 200).await;
+    let pipeline = harness.start(config);
+
+    wait_until(
+        "the fetch actors have found the pool full many times over",
+        Duration::from_secs(60),
+        || async { Metrics::count(&harness.metrics.submits, "timeout") >= 40 },
+    )
+    .await;
+    let accepted = Metrics::count(&harness.metrics.submits, "ok");
+    assert!(
+        accepted <= 2 + 4 + 1 + 1,
+        "the saturated pool accepted {accepted} activations"
+    );
+    hang.kill(); // ends the hung push, so the pipeline stops at once
+    pipeline.stop().await;
+    assert_eq!(harness.count(ActivationStatus::Claimed).await, 0);
+}
+
+/// Issue 13 item 3's reproduction, scaled down: one push slot, a queue of
+/// one, a worker that answers just inside the push timeout. No claim may
+/// expire while this broker holds it, and no task may be pushed twice.
+#[actix_rt::test]
+async fn slow_worker_behind_a_tiny_pool_never_gets_a_task_twice() {
+    let harness = Harness::new().await;
+    let slow = FakeWorker::start(Mode::Accept {
+        delay: Duration::from_millis(500),
+    })
+    .await;
+    let mut config = config(&[&slow]);
+    config.fetch_actors = 2;
+    config.fetch.batch_size = 10;
+    config.fetch.queue_timeout = Duration::from_millis(200);
+    config.push.concurrency = 1;
+    config.push.queue_size = 1;
+    config.push.push_timeout = Duration::from_secs(1);
+    config.fetch.lease = derived_lease(&config);
+    const ROWS: u64 = 30;
+    harness.insert("slow", ROWS as usize).await;
+    let upkeep = ExpiryWatch::start(Arc::clone(&harness.store));
+    let pipeline = harness.start(config);
+
+    harness
+        .wait_for(ActivationStatus::Processing, ROWS, Duration::from_secs(120))
+        .await;
+    pipeline.stop().await;
+    assert_eq!(
+        upkeep.released(),
+        0,
+        "claims expired while the broker held them"
+    );
+    let accepted = slow.seen.accepted();
+    let distinct: HashSet<&String> = accepted.iter().collect();
+    assert_eq!(distinct.len() as u64, ROWS, "every task delivered");
+    assert_eq!(accepted.len() as u64, ROWS, "no task pushed twice");
+    assert_eq!(harness.pushes("stale"), 0);
+    assert_eq!(harness.pushes("lease_expired"), 0);
+}
+
+/// A claim whose lease cannot cover one more push is never pushed: it is
+/// returned to Pending (fenced, no attempt consumed) and counted.
+#[actix_rt::test]
+async fn claims_too_close_to_their_expiry_are_not_pushed() {
+    let harness = Harness::new().await;
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let mut config = config(&[&worker]);
+    config.fetch_actors = 1;
+    config.push.push_timeout = Duration::from_secs(2);
+    config.fetch.lease = Duration::from_secs(2); // shorter than one push
+    harness.insert("short", 5).await;
+    let pipeline = harness.start(config);
+    wait_until(
+        "every claim is refused a push",
+        Duration::from_secs(20),
+        || async { harness.pushes("lease_expired") >= 10 },
+    )
+    .await;
+    pipeline.stop().await;
+    assert_eq!(worker.seen.attempts(), 0, "nothing pushed on a short lease");
+    assert_eq!(harness.pushes("ok"), 0);
+    assert_eq!(harness.count(ActivationStatus::Pending).await, 5);
+    assert_eq!(harness.attempts_consumed().await, 0);
+}
+
+/// Issue 13 item 4: a push that timed out may be running on the worker; for
+/// an at_most_once task that was its one attempt.
+#[actix_rt::test]
+async fn at_most_once_push_that_times_out_fails_the_task_after_one_delivery() {
+    let harness = Harness::new().await;
+    let hang = FakeWorker::start(Mode::Hang).await;
+    let mut config = config(&[&hang]);
+    config.push.push_timeout = Duration::from_millis(500);
+    const ROWS: u64 = 4;
+    harness
+        .insert_rows(&at_most_once_rows("once", ROWS as usize))
+        .await;
+    let pipeline = harness.start(config);
+    harness
+        .wait_for(ActivationStatus::Failure, ROWS, Duration::from_secs(30))
+        .await;
+    pipeline.stop().await;
+    assert_eq!(hang.seen.attempts(), ROWS, "each pushed exactly once");
+    assert_eq!(harness.pushes("timeout"), ROWS);
+    assert_eq!(harness.attempts_consumed().await, ROWS as i64);
+    assert_eq!(
+        Metrics::count(&harness.metrics.claims_released, "push_failed"),
+        0
+    );
+}
+
+/// Issue 13 item 4: a refused connection proves the worker never got the
+/// task, so even an at_most_once task is undone and pushed again later.
+#[actix_rt::test]
+async fn at_most_once_push_to_a_refused_connection_is_retried_later() {
+    let harness = Harness::new().await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let config =
+        config_with(WorkerEndpoints::parse(&format!("*=http://{addr}")).expect("endpoints"));
+    const ROWS: u64 = 3;
+    harness
+        .insert_rows(&at_most_once_rows("refused", ROWS as usize))
+        .await;
+    let pipeline = harness.start(config);
+    wait_until(
+        "each push was refused at least twice",
+        Duration::from_secs(20),
+        || async { harness.pushes("error") >= 2 * ROWS },
+    )
+    .await;
+    assert_eq!(harness.count(ActivationStatus::Failure).await, 0);
+    assert_eq!(harness.attempts_consumed().await, 0);
+
+    let worker = DemoWorker::start_on(addr, Mode::accept(), Vec::new())
+        .await
+        .expect("worker on the refused port");
+    harness
+        .wait_for(ActivationStatus::Processing, ROWS, Duration::from_secs(30))
+        .await;
+    pipeline.stop().await;
+    assert_eq!(worker.seen.attempts(), ROWS, "delivered once each");
+    assert_eq!(harness.attempts_consumed().await, 0);
+}
+
+/// A worker whose gRPC server accepts requests up to `limit` bytes and
+/// counts the ones that reached its handler.
+struct SmallWorker {
+    addr: std::net::SocketAddr,
+    handled: Arc<AtomicU64>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+struct CountingHandler {
+    handled: Arc<AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for CountingHandler {
+    async fn push_task(
+        &self,
+        _request: tonic::Request<PushTaskRequest>,
+    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
+        self.handled.fetch_add(1, Ordering::SeqCst);
+        Ok(tonic::Response::new(PushTaskResponse {}))
+    }
+}
+
+impl SmallWorker {
+    async fn start(limit: usize) -> SmallWorker {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handled = Arc::new(AtomicU64::new(0));
+        let service = WorkerServiceServer::new(CountingHandler {
+            handled: Arc::clone(&handled),
+        })
+        .max_decoding_message_size(limit);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await;
+        });
+        SmallWorker {
+            addr,
+            handled,
+            _stop: stop,
+        }
+    }
+}
+
+/// Issue 13 item 5: "too large" is not "busy". The oversized task fails
+/// after one push; the small one beside it is delivered.
+#[actix_rt::test]
+async fn activation_too_large_for_the_worker_fails_once() {
+    let harness = Harness::new().await;
+    let worker = SmallWorker::start(1024).await;
+    let config = config_with(
+        WorkerEndpoints::parse(&format!("*=http://{}", worker.addr)).expect("endpoints"),
+    );
+    let mut big = common::task("big");
+    big.parameters_bytes = vec![7; 4096];
+    harness
+        .insert_rows(&[common::row_from(&big), common::row("small")])
+        .await;
+    let pipeline = harness.start(config);
+    harness
+        .wait_for(ActivationStatus::Failure, 1, Duration::from_secs(20))
+        .await;
+    harness
+        .wait_for(ActivationStatus::Processing, 1, Duration::from_secs(20))
+        .await;
+    pipeline.stop().await;
+    let big = harness.store.get("big").await.unwrap().expect("row");
+    assert_eq!(big.status, ActivationStatus::Failure);
+    assert_eq!(harness.pushes("too_large"), 1, "failed on its first push");
+    assert_eq!(harness.pushes("busy"), 0);
+    assert_eq!(harness.pushes("ok"), 1);
+    assert_eq!(
+        worker.handled.load(Ordering::SeqCst),
+        1,
+        "only the small one"
+    );
 }

@@ -10,12 +10,14 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::worker::{FakeWorker, Mode};
-use common::{KillOnDrop, TestDb, free_port, wait_until};
+use common::{Backend, KillOnDrop, TestDb, TestStore, free_port, wait_until};
 use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
     SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
 };
+
+on_both_backends!(sigterm_with_a_hung_worker_exits_within_one_push_timeout);
 
 #[actix_rt::test]
 async fn sigterm_with_load_in_flight_stops_cleanly() {
@@ -160,4 +162,97 @@ async fn sigterm_with_load_in_flight_stops_cleanly() {
             );
         }
     }
+}
+
+/// Issue 13 item 10, the reference broker's own scenario: a worker that
+/// accepts pushes and never answers, one push slot, a queue of one. After
+/// SIGTERM nothing more is claimed or pushed, the push in flight ends
+/// within its timeout, every claim is released, and the broker exits 0
+/// within about one push timeout (not after SHUTDOWN_TIMEOUT_MS, exit 1).
+async fn sigterm_with_a_hung_worker_exits_within_one_push_timeout(backend: Backend) {
+    const PUSH_TIMEOUT: Duration = Duration::from_millis(1000);
+    let db = TestStore::new(backend).await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 1);
+    let worker = FakeWorker::start(Mode::Hang).await;
+    let payloads: Vec<Vec<u8>> = (0..50)
+        .map(|i| {
+            TaskActivation {
+                id: format!("hung-{i}"),
+                namespace: "hung".to_owned(),
+                taskname: "tests.hung".to_owned(),
+                processing_deadline_duration: 60,
+                application: Some("app".to_owned()),
+                ..Default::default()
+            }
+            .encode_to_vec()
+        })
+        .collect();
+    kafka.produce("tasks", &payloads).await;
+
+    let (store_variable, store_value) = db.env();
+    let broker = Command::new(env!("CARGO_BIN_EXE_taskbroker"))
+        .arg("run")
+        .env(format!("TASKBROKER_{store_variable}"), store_value)
+        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
+        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+        .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
+        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{}", free_port()))
+        .env(
+            "TASKBROKER_METRICS_ADDR",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env(
+            "TASKBROKER_PUSH_TIMEOUT_MS",
+            PUSH_TIMEOUT.as_millis().to_string(),
+        )
+        .env("TASKBROKER_PUSH_CONCURRENCY", "1")
+        .env("TASKBROKER_PUSH_QUEUE_SIZE", "1")
+        .env("TASKBROKER_FETCH_BATCH_SIZE", "10")
+        .env("TASKBROKER_SHUTDOWN_TIMEOUT_MS", "20000")
+        .env("TASKBROKER_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the broker binary");
+    let _leftover = KillOnDrop(vec![broker.id()]);
+
+    // A push has timed out and the next one hangs: the pool is saturated.
+    wait_until(
+        "the broker pushes to the hung worker",
+        Duration::from_secs(60),
+        || {
+            let attempts = worker.seen.attempts();
+            async move { attempts >= 2 }
+        },
+    )
+    .await;
+    let pushed_before = worker.seen.attempts();
+    let pid = broker.id().to_string();
+    let signalled = tokio::time::Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let mut broker = broker;
+    let status = tokio::task::spawn_blocking(move || broker.wait())
+        .await
+        .unwrap()
+        .expect("broker exit status");
+    let took = signalled.elapsed();
+
+    assert_eq!(status.code(), Some(0), "clean exit after {took:?}");
+    assert!(
+        // About 1 s here; the unfixed broker took 4 s or more.
+        took < PUSH_TIMEOUT + Duration::from_millis(1500),
+        "shutdown took {took:?} with a {PUSH_TIMEOUT:?} push timeout"
+    );
+    // At most the push that was already on its way when the signal came.
+    assert!(
+        worker.seen.attempts() <= pushed_before + 1,
+        "{} pushes after SIGTERM",
+        worker.seen.attempts() - pushed_before
+    );
+    db.wait_for_dead_broker_backends().await;
+    assert_eq!(db.claimed().await, Vec::new(), "no Claimed row left");
 }

@@ -88,6 +88,10 @@ conformance!(
     counts_by_status,
     max_pending_lag_is_delay_adjusted_and_first_attempt_only,
     batch_operations_take_ids_with_quotes_backslashes_and_control_characters,
+    failed_claims_become_failure_with_the_attempt_consumed,
+    fail_claims_is_fenced,
+    deferred_claims_wait_in_delay_without_an_attempt,
+    defer_claims_is_fenced,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1037,4 +1041,102 @@ async fn batch_operations_take_ids_with_quotes_backslashes_and_control_character
         odd.len() as u64
     );
     assert_eq!(store.count_by_status().await.unwrap().total(), 0);
+}
+
+// ------------------------------------------------- push outcomes (issue 13)
+
+async fn failed_claims_become_failure_with_the_attempt_consumed(store: Store) {
+    insert(store.as_ref(), &rows("once", 3)).await;
+    assert_eq!(store.fail_claims(&[]).await.unwrap(), 0);
+    let claimed = claim_all(&store, LEASE).await;
+    let failed = tokens(&claimed[..2]);
+    assert_eq!(store.fail_claims(&failed).await.unwrap(), 2);
+    for token in &failed {
+        let stored = fetch(&store, &token.id).await;
+        assert_eq!(stored.status, ActivationStatus::Failure);
+        assert_eq!(stored.processing_attempts, 1, "the push used the attempt");
+    }
+    assert_eq!(status_of(&store, "once-2").await, ActivationStatus::Claimed);
+    // Failure rows are upkeep's to dead-letter or discard, never claimed.
+    assert_eq!(store.release_expired_claims(100).await.unwrap(), 0);
+    assert!(claim_all(&store, LEASE).await.is_empty());
+}
+
+async fn fail_claims_is_fenced(store: Store) {
+    insert(store.as_ref(), &[row("f"), row("p")]).await;
+    let first = claim_all(&store, LEASE).await;
+    let old = tokens(&first);
+    // "f" is released and claimed again; "p" moves on to Processing.
+    let f_old: Vec<ClaimToken> = old.iter().filter(|t| t.id == "f").cloned().collect();
+    let p_old: Vec<ClaimToken> = old.iter().filter(|t| t.id == "p").cloned().collect();
+    assert_eq!(store.release_claims(&f_old).await.unwrap(), 1);
+    store.mark_processing(&p_old, NO_GRACE).await.unwrap();
+    let again = claim_all(&store, LEASE).await;
+    assert_eq!(ids(&again), ["f"]);
+    assert_eq!(store.fail_claims(&old).await.unwrap(), 0, "stale tokens");
+    assert_eq!(status_of(&store, "f").await, ActivationStatus::Claimed);
+    assert_eq!(status_of(&store, "p").await, ActivationStatus::Processing);
+    assert_eq!(fetch(&store, "f").await.processing_attempts, 0);
+    assert_eq!(store.fail_claims(&tokens(&again)).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "f").await, ActivationStatus::Failure);
+}
+
+async fn deferred_claims_wait_in_delay_without_an_attempt(store: Store) {
+    insert(store.as_ref(), &[row("later"), row("soon")]).await;
+    let claimed = claim_all(&store, LEASE).await;
+    assert_eq!(store.defer_claims(&[], Utc::now()).await.unwrap(), 0);
+    let until = now() + TimeDelta::seconds(60);
+    let later: Vec<ClaimToken> = tokens(&claimed)
+        .into_iter()
+        .filter(|t| t.id == "later")
+        .collect();
+    let soon: Vec<ClaimToken> = tokens(&claimed)
+        .into_iter()
+        .filter(|t| t.id == "soon")
+        .collect();
+    assert_eq!(store.defer_claims(&later, until).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .defer_claims(&soon, now() - TimeDelta::seconds(1))
+            .await
+            .unwrap(),
+        1
+    );
+    let stored = fetch(&store, "later").await;
+    assert_eq!(stored.status, ActivationStatus::Delay);
+    assert_eq!(stored.delay_until, Some(until));
+    assert_eq!(
+        stored.processing_attempts, 0,
+        "deferring never consumes an attempt"
+    );
+    assert!(
+        claim_all(&store, LEASE).await.is_empty(),
+        "Delay rows are not claimed"
+    );
+    // Upkeep's Delay → Pending step brings back the one that is due.
+    assert_eq!(store.release_delayed(100).await.unwrap(), 1);
+    assert_eq!(status_of(&store, "soon").await, ActivationStatus::Pending);
+    assert_eq!(status_of(&store, "later").await, ActivationStatus::Delay);
+    assert_eq!(fetch(&store, "soon").await.processing_attempts, 0);
+}
+
+async fn defer_claims_is_fenced(store: Store) {
+    insert(store.as_ref(), &[row("d")]).await;
+    let first = tokens(&claim_all(&store, LEASE).await);
+    assert_eq!(store.release_claims(&first).await.unwrap(), 1);
+    let second = tokens(&claim_all(&store, LEASE).await);
+    let until = now() + TimeDelta::seconds(60);
+    assert_eq!(
+        store.defer_claims(&first, until).await.unwrap(),
+        0,
+        "stale token"
+    );
+    assert_eq!(status_of(&store, "d").await, ActivationStatus::Claimed);
+    store.mark_processing(&second, NO_GRACE).await.unwrap();
+    assert_eq!(
+        store.defer_claims(&second, until).await.unwrap(),
+        0,
+        "a Processing row is not deferred"
+    );
+    assert_eq!(status_of(&store, "d").await, ActivationStatus::Processing);
 }

@@ -3,29 +3,69 @@
 //! processing, undo, release) has completed.
 //!
 //! A guard that is dropped while still armed (a mailbox dropped when the
-//! push pool stopped, a task cancelled at shutdown) releases its claim, so
-//! no claim is left for the lease to clean up. The [`ClaimRegistry`] lists
-//! every live guard: it is what shutdown releases in one statement, and what
-//! tests compare with the table to prove no Claimed row is unheld.
+//! push pool stopped, a task cancelled) releases its claim, so no claim is
+//! left for the lease to clean up. The [`ClaimRegistry`] lists every live
+//! guard: it is what shutdown releases in one statement, and what tests
+//! compare with the table to prove no Claimed row is unheld.
+//!
+//! The registry also carries the pipeline's shutdown signal
+//! ([`ClaimRegistry::begin_shutdown`]): FetchActors stop claiming and the
+//! push pool stops pushing as soon as it is raised, and from then on a guard
+//! dropped while armed stays registered instead of releasing its claim on
+//! its own, so everything not pushed is released by the one final statement.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use actix::Addr;
+use tokio::sync::watch;
 
 use super::store::{ReleaseClaims, StoreActor};
 use crate::metrics::Metrics;
 use crate::store::ClaimToken;
 
-/// The claims this broker currently holds.
-#[derive(Debug, Default, Clone)]
+/// The claims this broker currently holds, and whether the pipeline holding
+/// them is shutting down.
+#[derive(Debug, Clone)]
 pub struct ClaimRegistry {
     held: Arc<Mutex<HashSet<ClaimToken>>>,
+    shutdown: Arc<watch::Sender<bool>>,
+}
+
+impl Default for ClaimRegistry {
+    fn default() -> Self {
+        ClaimRegistry {
+            held: Arc::default(),
+            shutdown: Arc::new(watch::Sender::new(false)),
+        }
+    }
 }
 
 impl ClaimRegistry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Shutdown begins: holders stop claiming and pushing, and a guard
+    /// dropped from now on leaves its claim here for [`Self::take_all`].
+    pub fn begin_shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
+    /// Resolves once [`Self::begin_shutdown`] has been called.
+    pub async fn shutting_down(&self) {
+        let mut signal = self.shutdown.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = signal.wait_for(|stopping| *stopping).await;
+    }
+
+    /// Removes and returns every held claim (the final release at shutdown).
+    pub fn take_all(&self) -> Vec<ClaimToken> {
+        self.lock().drain().collect()
     }
 
     fn insert(&self, token: ClaimToken) {
@@ -107,6 +147,11 @@ impl Drop for ClaimGuard {
         let Some(token) = self.token.take() else {
             return;
         };
+        if self.registry.is_shutting_down() {
+            // Left registered: the final release at shutdown covers it, in
+            // one statement with every other claim not pushed.
+            return;
+        }
         self.registry.remove(&token);
         self.metrics
             .claims_released

@@ -18,6 +18,18 @@
 //! saw these activations, so releasing them is safe. A batch is submitted or
 //! released entirely before the actor handles its next message (the
 //! iteration runs under `ctx.wait`), so stopping never strands a claim.
+//!
+//! One sender handle for the actor's lifetime: actix lets every `Addr`
+//! (each clone is a sender of its own) put one message into a full mailbox,
+//! so cloning the pool's address per iteration would let the mailbox grow
+//! without bound. With one handle each, the pool's mailbox holds at most
+//! `PUSH_QUEUE_SIZE + FETCH_ACTORS` messages, plus the one the pool holds
+//! while it waits for a slot: the claim lease is derived from that bound.
+//!
+//! Shutdown ([`ClaimRegistry::begin_shutdown`]) takes effect at once, even
+//! in the middle of a submit loop: no further claim, no further submit; the
+//! rest of the batch is dropped into the registry, which shutdown releases
+//! in one statement.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,7 +65,8 @@ pub struct FetchConfig {
 #[rtype(result = "()")]
 pub struct WakeFetch;
 
-/// Finish the current batch (submit or release it), then stop.
+/// Stop after the current iteration; at shutdown, raise
+/// [`ClaimRegistry::begin_shutdown`] first so that iteration ends at once.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub struct StopFetching;
@@ -65,13 +78,11 @@ struct FetchNow;
 
 pub struct FetchActor {
     buckets: BucketRange,
-    config: FetchConfig,
-    store: Addr<StoreActor>,
-    push: Addr<PushPoolActor>,
+    /// Away (inside the running iteration) while an iteration runs.
+    submitter: Option<Submitter>,
     registry: ClaimRegistry,
-    metrics: Arc<Metrics>,
+    backoff: Duration,
     scheduled: Option<SpawnHandle>,
-    busy: bool,
 }
 
 impl FetchActor {
@@ -83,15 +94,20 @@ impl FetchActor {
         registry: ClaimRegistry,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let backoff = config.backoff;
         FetchActor {
             buckets,
-            config,
-            store,
-            push,
+            submitter: Some(Submitter {
+                buckets,
+                config,
+                store,
+                push,
+                registry: registry.clone(),
+                metrics,
+            }),
             registry,
-            metrics,
+            backoff,
             scheduled: None,
-            busy: false,
         }
     }
 
@@ -109,8 +125,9 @@ impl FetchActor {
                 tracing::info!(buckets = ?self.buckets, "push pool closed; fetch actor stopping");
                 ctx.stop();
             }
+            Iteration::Stopped => ctx.stop(),
             Iteration::Idle | Iteration::Backoff => {
-                self.scheduled = Some(ctx.run_later(self.config.backoff, |act, ctx| {
+                self.scheduled = Some(ctx.run_later(self.backoff, |act, ctx| {
                     act.scheduled = None;
                     ctx.notify(FetchNow);
                 }));
@@ -131,23 +148,22 @@ impl Handler<FetchNow> for FetchActor {
     type Result = ();
 
     fn handle(&mut self, _: FetchNow, ctx: &mut Self::Context) {
-        if self.busy {
+        if self.registry.is_shutting_down() {
+            return ctx.stop();
+        }
+        // Taken: an iteration is already running.
+        let Some(submitter) = self.submitter.take() else {
             return;
-        }
-        self.busy = true;
-        let iteration = Submitter {
-            buckets: self.buckets,
-            config: self.config.clone(),
-            store: self.store.clone(),
-            push: self.push.clone(),
-            registry: self.registry.clone(),
-            metrics: Arc::clone(&self.metrics),
-        }
-        .run();
-        ctx.wait(iteration.into_actor(self).map(|outcome, act, ctx| {
-            act.busy = false;
-            act.after(outcome, ctx);
-        }));
+        };
+        ctx.wait(
+            submitter
+                .run()
+                .into_actor(self)
+                .map(|(submitter, outcome), act, ctx| {
+                    act.submitter = Some(submitter);
+                    act.after(outcome, ctx);
+                }),
+        );
     }
 }
 
@@ -180,6 +196,8 @@ enum Iteration {
     Backoff,
     /// The push pool is gone: stop.
     Closed,
+    /// Shutdown began: stop.
+    Stopped,
 }
 
 /// One iteration's work, detached from the actor so it can run as a future.
@@ -193,7 +211,17 @@ struct Submitter {
 }
 
 impl Submitter {
-    async fn run(self) -> Iteration {
+    /// One iteration; hands the submitter (and with it the actor's one
+    /// sender handle to the push pool) back with the outcome.
+    async fn run(self) -> (Self, Iteration) {
+        let outcome = self.iterate().await;
+        (self, outcome)
+    }
+
+    async fn iterate(&self) -> Iteration {
+        if self.registry.is_shutting_down() {
+            return Iteration::Stopped;
+        }
         let claimed = self
             .store
             .send(ClaimBatch {
@@ -247,6 +275,13 @@ impl Submitter {
         let submit_by = Instant::now() + self.config.queue_timeout;
         while let Some(mut message) = batch.next() {
             loop {
+                if self.registry.is_shutting_down() {
+                    // The guards stay registered: shutdown's final release
+                    // returns them, in one statement with every other claim
+                    // not pushed.
+                    drop((message, batch));
+                    return Iteration::Stopped;
+                }
                 match self.push.try_send(message) {
                     Ok(()) => {
                         self.metrics.submits.with_label_values(&["ok"]).inc();

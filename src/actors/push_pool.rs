@@ -2,23 +2,46 @@
 //!
 //! - Owns: one lazily connected channel per worker URL, each endpoint's
 //!   health (backoff after failures), and `PUSH_CONCURRENCY` push slots.
-//! - Receives: [`PushActivation`] (bounded mailbox of `PUSH_QUEUE_SIZE`),
-//!   [`StopPushPool`], [`DrainPushPool`].
-//! - Sends: PushTask RPCs to workers; [`MarkPushed`], [`UndoClaim`] and
-//!   [`FailClaimAttempt`] to the StoreActor.
+//! - Receives: [`PushActivation`] (bounded mailbox of `PUSH_QUEUE_SIZE`,
+//!   plus one per sender handle: actix's rule), [`StopPushPool`],
+//!   [`DrainPushPool`].
+//! - Sends: PushTask RPCs to workers; [`MarkPushed`], [`UndoClaim`],
+//!   [`FailClaims`], [`DeferClaims`] and [`FailClaimAttempt`] to the
+//!   StoreActor.
 //!
 //! Backpressure: each push runs as its own task holding one slot. When every
-//! slot is taken the handler waits (`ctx.wait`) for one to free up, and while
-//! it waits the actor takes no messages, so its mailbox fills and
-//! FetchActors get `SendError::Full` back from `try_send`: that is how "the
-//! push pool is saturated" becomes visible to them.
+//! slot is taken the handler waits (`ctx.wait`) for one to free up, holding
+//! that one message, and while it waits the actor takes no messages, so its
+//! mailbox fills and FetchActors get `SendError::Full` back from
+//! `try_send`: that is how "the push pool is saturated" becomes visible to
+//! them. An activation accepted last waits behind at most `PUSH_QUEUE_SIZE +
+//! FETCH_ACTORS` messages in the mailbox, the held one and the pushes in
+//! flight; the derived claim lease (`Config::claim_lease`) covers that, and
+//! a push whose claim has less than one push timeout (plus
+//! [`MARK_PROCESSING_MARGIN`]) left is not started but undone to Pending.
 //!
-//! Outcomes: OK → fenced Claimed → Processing (combined into batched
-//! statements by the StoreActor); error, timeout or RESOURCE_EXHAUSTED →
-//! fenced undo to Pending without consuming an attempt, and the endpoint
-//! backs off; no endpoint for the application, or bytes that do not decode →
-//! the claim consumes an attempt so the task ends in Failure instead of
-//! cycling forever.
+//! Outcomes:
+//! - OK → fenced Claimed → Processing (combined into batched statements).
+//! - Not sent (the endpoint's backoff outlasted the admission wait, the
+//!   connection could not be made, or the worker answered
+//!   RESOURCE_EXHAUSTED "busy"): the worker never got the task, so a fenced
+//!   undo to Pending without consuming an attempt; the endpoint backs off.
+//! - Outcome unknown (timeout after the request was sent, any other error):
+//!   the worker may be running it. Undone like the above, except for
+//!   at_most_once tasks: for them this push was the one attempt, so fenced
+//!   Claimed → Failure, and upkeep dead-letters or discards them.
+//! - Too large for the worker (or for the client's own limit): no retry can
+//!   succeed, so fenced Claimed → Failure, logged and counted.
+//! - No endpoint for the application (a `WORKER_ENDPOINTS` typo, a worker
+//!   pool not deployed yet): fenced Claimed → Delay for
+//!   [`NO_ROUTE_BACKOFF`], no attempt consumed, counted in
+//!   `taskbroker_push_no_route_total`; bytes that do not decode consume an
+//!   attempt so the task ends in Failure instead of cycling forever.
+//!
+//! Shutdown ([`ClaimRegistry::begin_shutdown`]): nothing more is pushed.
+//! Messages still in the mailbox, and the one held waiting for a slot, are
+//! dropped with their claims left in the registry for the final release;
+//! pushes in flight end within their push timeout.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,8 +54,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::claims::ClaimGuard;
-use super::store::{FailClaimAttempt, MarkPushed, StoreActor, UndoClaim};
+use super::claims::{ClaimGuard, ClaimRegistry};
+use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreActor, UndoClaim};
 use crate::config::WorkerEndpoints;
 use crate::grpc::worker_client::{PushTaskBytes, WorkerClient};
 use crate::metrics::Metrics;
@@ -47,6 +70,22 @@ const MIN_ENDPOINT_BACKOFF: Duration = Duration::from_millis(25);
 const MAX_ENDPOINT_BACKOFF: Duration = Duration::from_millis(500);
 /// At most one failure log line per endpoint in this interval.
 const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(5);
+/// How long an activation whose application has no worker endpoint waits in
+/// Delay before it is offered again: long enough not to spin on a
+/// misconfiguration, short enough that fixing `WORKER_ENDPOINTS` (and
+/// restarting) gets the tasks going within half a minute.
+pub const NO_ROUTE_BACKOFF: Duration = Duration::from_secs(30);
+/// Lease a claim must have left beyond one push timeout for its push to
+/// start: room for the mark-processing write. Smaller than the derived
+/// lease's 5 s margin, so a `CLAIM_LEASE_MS` at the validated minimum still
+/// pushes everything but the very tail of a saturated queue.
+const MARK_PROCESSING_MARGIN: Duration = Duration::from_secs(1);
+/// At most one "no worker endpoint" log line per application in this
+/// interval.
+const NO_ROUTE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Applications whose last "no worker endpoint" line is remembered; names
+/// come from the tasks, so the memory of them is bounded.
+const NO_ROUTE_LOG_APPLICATIONS: usize = 1024;
 
 /// Settings of the push pool.
 #[derive(Debug, Clone)]
@@ -77,7 +116,8 @@ impl Message for PushActivation {
 }
 
 /// Stop at once: activations still in the mailbox are released by their
-/// guards; pushes in flight finish on their own.
+/// guards (or, during shutdown, left to the final release); pushes in
+/// flight finish on their own.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub struct StopPushPool;
@@ -92,6 +132,7 @@ pub struct PushPoolActor {
     shared: Arc<PushShared>,
     slots: Arc<Semaphore>,
     concurrency: u32,
+    registry: ClaimRegistry,
 }
 
 /// What every push task needs.
@@ -100,6 +141,9 @@ struct PushShared {
     router: Router,
     store: Addr<StoreActor>,
     metrics: Arc<Metrics>,
+    /// Per application: when its last "no worker endpoint" line was
+    /// logged, and how many of its activations were deferred since.
+    no_route_log: Mutex<HashMap<String, (Instant, u64)>>,
 }
 
 impl PushPoolActor {
@@ -114,7 +158,13 @@ impl PushPoolActor {
     /// Builds the worker channels; must run inside the actor's runtime
     /// (e.g. in the `start_in_arbiter` closure) after
     /// [`PushPoolActor::validate`] accepted `config`.
-    pub fn new(config: PushPoolConfig, store: Addr<StoreActor>, metrics: Arc<Metrics>) -> Self {
+    /// `registry` carries the pipeline's shutdown signal.
+    pub fn new(
+        config: PushPoolConfig,
+        store: Addr<StoreActor>,
+        metrics: Arc<Metrics>,
+        registry: ClaimRegistry,
+    ) -> Self {
         let connect_timeout = config.push_timeout.min(Duration::from_secs(1));
         let router = Router::new(&config.endpoints, connect_timeout)
             .unwrap_or_else(|err| panic!("worker URLs are validated before start: {err}"));
@@ -122,16 +172,22 @@ impl PushPoolActor {
         PushPoolActor {
             slots: Arc::new(Semaphore::new(concurrency)),
             concurrency: u32::try_from(concurrency).unwrap_or(u32::MAX),
+            registry,
             shared: Arc::new(PushShared {
                 config,
                 router,
                 store,
                 metrics,
+                no_route_log: Mutex::new(HashMap::new()),
             }),
         }
     }
 
     fn start_push(&self, msg: PushActivation, slot: OwnedSemaphorePermit) {
+        if self.registry.is_shutting_down() {
+            // Not pushed: the guard leaves the claim to the final release.
+            return drop(msg);
+        }
         let shared = Arc::clone(&self.shared);
         actix_rt::spawn(async move {
             shared.push(msg, slot).await;
@@ -151,19 +207,30 @@ impl Handler<PushActivation> for PushPoolActor {
     type Result = ();
 
     fn handle(&mut self, msg: PushActivation, ctx: &mut Self::Context) {
+        if self.registry.is_shutting_down() {
+            // Not pushed: the guard leaves the claim to the final release.
+            return drop(msg);
+        }
         match Arc::clone(&self.slots).try_acquire_owned() {
             Ok(slot) => self.start_push(msg, slot),
             Err(_) => {
-                // Saturated: take no further message until a slot frees up.
+                // Saturated: hold this message and take no further one until
+                // a slot frees up, or shutdown begins.
                 let slots = Arc::clone(&self.slots);
+                let registry = self.registry.clone();
+                let slot = async move {
+                    tokio::select! {
+                        slot = slots.acquire_owned() => slot.ok(),
+                        () = registry.shutting_down() => None,
+                    }
+                };
                 ctx.wait(
-                    async move { slots.acquire_owned().await }
-                        .into_actor(self)
+                    slot.into_actor(self)
                         .map(move |slot, act, _ctx| match slot {
-                            Ok(slot) => act.start_push(msg, slot),
-                            // Closed semaphore: the pool is stopping; the guard
-                            // in `msg` releases the claim.
-                            Err(_) => drop(msg),
+                            Some(slot) => act.start_push(msg, slot),
+                            // Shutdown: the guard in `msg` leaves the claim
+                            // to the final release.
+                            None => drop(msg),
                         }),
                 );
             }
@@ -197,13 +264,28 @@ impl Handler<DrainPushPool> for PushPoolActor {
 impl PushShared {
     async fn push(&self, msg: PushActivation, slot: OwnedSemaphorePermit) {
         let PushActivation { activation, claim } = msg;
+        // The whole push (admission and RPC) ends within one push timeout;
+        // the mark-processing write gets the margin. A claim with less left
+        // than that may expire while its push runs, and be claimed and
+        // pushed by someone else too: release it unpushed instead.
+        let needed = self
+            .config
+            .push_timeout
+            .saturating_add(MARK_PROCESSING_MARGIN);
+        let left = activation
+            .claim_expires_at
+            .map(|expires| (expires - chrono::Utc::now()).to_std().unwrap_or_default());
+        if left.is_none_or(|left| left < needed) {
+            return self.release_unpushed(claim).await;
+        }
         let Some(endpoint) = self.router.pick(&activation.application) else {
-            return self.give_up(claim, "unroutable").await;
+            return self.defer_unroutable(claim, &activation.application).await;
         };
         if TaskActivation::decode(activation.activation.as_slice()).is_err() {
             return self.give_up(claim, "undecodable").await;
         }
         let received_at = activation.received_at;
+        let at_most_once = activation.at_most_once;
         let started = Instant::now();
         let deadline = started + self.config.push_timeout;
         // Waiting out an endpoint's backoff may take at most half the push
@@ -212,9 +294,10 @@ impl PushShared {
         // and the whole push still fits the claim lease's push timeout.
         let admit_by = started + self.config.push_timeout / 2;
         let outcome = match endpoint.admit(admit_by).await {
-            Err(()) => PushOutcome::Timeout,
+            Err(()) => PushOutcome::NotSent(NotSent::AdmissionTimeout),
             Ok(()) => {
                 let request = PushTaskBytes::new(activation.activation, &self.config.callback_url);
+                let size = request.len();
                 let signature = self
                     .config
                     .signing_secret
@@ -224,18 +307,23 @@ impl PushShared {
                     .client
                     .push(request, signature, self.config.push_timeout);
                 let outcome = match tokio::time::timeout_at(deadline, rpc).await {
-                    Err(_) => PushOutcome::Timeout,
+                    Err(_) => PushOutcome::Unknown(Unknown::Timeout),
                     Ok(Ok(())) => PushOutcome::Ok,
-                    Ok(Err(status)) => match status.code() {
-                        Code::ResourceExhausted => PushOutcome::Busy,
-                        Code::DeadlineExceeded | Code::Cancelled => PushOutcome::Timeout,
-                        _ => PushOutcome::Error(status.message().to_owned()),
-                    },
+                    Ok(Err(status)) => PushOutcome::of_status(&status),
                 };
                 self.metrics
                     .push_duration
                     .observe(started.elapsed().as_secs_f64());
                 endpoint.record(&outcome);
+                if let PushOutcome::TooLarge(detail) = &outcome {
+                    tracing::warn!(
+                        activation_id = %claim.token().id,
+                        size,
+                        endpoint = %endpoint.url,
+                        detail = %detail,
+                        "activation too large for its worker; failing it"
+                    );
+                }
                 outcome
             }
         };
@@ -244,62 +332,169 @@ impl PushShared {
         // shutdown then releases only claims that were never pushed.
         let _slot = slot;
 
-        let token = claim.token().clone();
+        self.metrics
+            .pushes
+            .with_label_values(&[outcome.label()])
+            .inc();
         match outcome {
             PushOutcome::Ok => {
-                self.metrics.pushes.with_label_values(&["ok"]).inc();
                 let age = chrono::Utc::now() - received_at;
                 self.metrics
                     .received_to_pushed
                     .observe(age.as_seconds_f64().max(0.0));
-                let moved = self
-                    .store
-                    .send(MarkPushed {
-                        claim: token,
-                        deadline_grace: self.config.deadline_grace,
-                    })
-                    .await;
-                match moved {
-                    Ok(Ok(true)) => {}
-                    // The row moved on before the write: claimed again after
-                    // its lease ran out (a duplicate delivery), or already
-                    // finished by the worker's report. Counted, nothing
-                    // changed.
-                    Ok(Ok(false)) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
-                    Ok(Err(err)) => {
-                        tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err, "store actor gone; the lease will return the pushed claim");
-                    }
-                }
-                claim.settle();
+                self.mark_pushed(claim).await;
             }
-            failed => {
-                self.metrics
-                    .pushes
-                    .with_label_values(&[failed.label()])
-                    .inc();
-                match self.store.send(UndoClaim { claim: token }).await {
-                    Ok(Ok(true)) => {
-                        self.metrics
-                            .claims_released
-                            .with_label_values(&["push_failed"])
-                            .inc();
-                        claim.settle();
-                    }
-                    // Already moved on (lease expired and claimed again).
-                    Ok(Ok(false)) => claim.settle(),
-                    Ok(Err(err)) => {
-                        tracing::warn!(error = %err, "cannot undo a failed push; the lease will return it");
-                        claim.settle();
-                    }
-                    // The store actor is gone: the guard's own release is
-                    // lost too; the lease returns the row.
-                    Err(_) => claim.settle(),
-                }
+            PushOutcome::NotSent(_) => self.undo(claim).await,
+            PushOutcome::Unknown(_) if at_most_once => {
+                // The worker may be running it: this was its one attempt.
+                self.fail(claim, "at_most_once push outcome unknown").await;
+            }
+            PushOutcome::Unknown(_) => self.undo(claim).await,
+            PushOutcome::TooLarge(_) => self.fail(claim, "too large").await,
+        }
+    }
+
+    async fn mark_pushed(&self, claim: ClaimGuard) {
+        let moved = self
+            .store
+            .send(MarkPushed {
+                claim: claim.token().clone(),
+                deadline_grace: self.config.deadline_grace,
+            })
+            .await;
+        match moved {
+            Ok(Ok(true)) => {}
+            // The row moved on before the write: claimed again after its
+            // lease ran out (a duplicate delivery), or already finished by
+            // the worker's report. Counted, nothing changed.
+            Ok(Ok(false)) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "store actor gone; the lease will return the pushed claim");
             }
         }
+        claim.settle();
+    }
+
+    /// Fenced undo to Pending, no attempt consumed.
+    async fn undo(&self, claim: ClaimGuard) {
+        let undone = self
+            .store
+            .send(UndoClaim {
+                claim: claim.token().clone(),
+            })
+            .await;
+        match undone {
+            Ok(Ok(true)) => self
+                .metrics
+                .claims_released
+                .with_label_values(&["push_failed"])
+                .inc(),
+            // Already moved on (lease expired and claimed again).
+            Ok(Ok(false)) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "cannot undo a failed push; the lease will return it");
+            }
+            // The store actor is gone: the guard's own release would be
+            // lost too; the lease returns the row.
+            Err(_) => {}
+        }
+        claim.settle();
+    }
+
+    /// Fenced Claimed → Failure: the push used up the task's delivery.
+    async fn fail(&self, claim: ClaimGuard, why: &'static str) {
+        let sent = self
+            .store
+            .send(FailClaims {
+                claims: vec![claim.token().clone()],
+            })
+            .await;
+        match sent {
+            Ok(Ok(_)) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, why, "store actor gone; the lease will return the claim");
+            }
+        }
+        claim.settle();
+    }
+
+    /// The claim's lease is too short for a push: fenced return to Pending,
+    /// no attempt consumed (the same statement as a failed push's undo).
+    async fn release_unpushed(&self, claim: ClaimGuard) {
+        self.metrics
+            .pushes
+            .with_label_values(&["lease_expired"])
+            .inc();
+        let released = self
+            .store
+            .send(UndoClaim {
+                claim: claim.token().clone(),
+            })
+            .await;
+        if let Ok(Err(err)) = &released {
+            tracing::warn!(error = %err, "cannot release a claim too old to push; its lease will");
+        }
+        claim.settle();
+    }
+
+    /// No worker endpoint serves `application`: park the task in Delay for
+    /// [`NO_ROUTE_BACKOFF`] without consuming an attempt.
+    async fn defer_unroutable(&self, claim: ClaimGuard, application: &str) {
+        self.metrics.pushes.with_label_values(&["unroutable"]).inc();
+        self.metrics.push_no_route.inc();
+        self.log_no_route(application);
+        let until = chrono::Utc::now()
+            + chrono::TimeDelta::from_std(NO_ROUTE_BACKOFF).unwrap_or(chrono::TimeDelta::MAX);
+        let deferred = self
+            .store
+            .send(DeferClaims {
+                claims: vec![claim.token().clone()],
+                until,
+            })
+            .await;
+        if let Ok(Err(err)) = &deferred {
+            tracing::warn!(error = %err, "cannot defer an unroutable claim; its lease will return it");
+        }
+        claim.settle();
+    }
+
+    /// One line per application and [`NO_ROUTE_LOG_INTERVAL`].
+    fn log_no_route(&self, application: &str) {
+        let mut log = self
+            .no_route_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if let Some((at, deferred)) = log.get_mut(application)
+            && now.duration_since(*at) < NO_ROUTE_LOG_INTERVAL
+        {
+            *deferred += 1;
+            return;
+        }
+        if log.len() >= NO_ROUTE_LOG_APPLICATIONS && !log.contains_key(application) {
+            log.retain(|_, (at, _)| now.duration_since(*at) < NO_ROUTE_LOG_INTERVAL);
+            if log.len() >= NO_ROUTE_LOG_APPLICATIONS {
+                // That many misrouted applications within one interval:
+                // the counter and the lines already logged tell the story.
+                return;
+            }
+        }
+        let deferred = log
+            .insert(application.to_owned(), (now, 0))
+            .map_or(0, |(_, deferred)| deferred);
+        tracing::warn!(
+            application,
+            deferred_since_last_log = deferred,
+            backoff_s = NO_ROUTE_BACKOFF.as_secs(),
+            "no worker endpoint for this application (check TASKBROKER_WORKER_ENDPOINTS); \
+             its activations wait in Delay"
+        );
     }
 
     /// The activation can never be delivered by this broker: consume an
@@ -325,23 +520,107 @@ impl PushShared {
     }
 }
 
-#[derive(Debug)]
+/// How a push ended, as far as the broker can tell.
+#[derive(Debug, PartialEq)]
 enum PushOutcome {
     Ok,
+    /// Provably never reached the worker's handler: safe to push again.
+    NotSent(NotSent),
+    /// The worker may have received (and may run) the task.
+    Unknown(Unknown),
+    /// The request is larger than the worker (or the client) accepts.
+    TooLarge(String),
+}
+
+#[derive(Debug, PartialEq)]
+enum NotSent {
+    /// The endpoint's backoff outlasted the admission wait.
+    AdmissionTimeout,
+    /// The connection could not be made; the request was never written.
+    Unreachable(String),
+    /// RESOURCE_EXHAUSTED from the worker: its queue is full.
     Busy,
+}
+
+#[derive(Debug, PartialEq)]
+enum Unknown {
+    /// No answer within the push timeout, after the request was sent.
     Timeout,
     Error(String),
 }
 
 impl PushOutcome {
+    /// Classifies a failed RPC's status.
+    fn of_status(status: &tonic::Status) -> PushOutcome {
+        if is_too_large(status) {
+            return PushOutcome::TooLarge(status.message().to_owned());
+        }
+        if status.code() == Code::ResourceExhausted {
+            return PushOutcome::NotSent(NotSent::Busy);
+        }
+        if failed_to_connect(status) {
+            return PushOutcome::NotSent(NotSent::Unreachable(status.message().to_owned()));
+        }
+        match status.code() {
+            Code::DeadlineExceeded | Code::Cancelled => PushOutcome::Unknown(Unknown::Timeout),
+            _ => PushOutcome::Unknown(Unknown::Error(status.message().to_owned())),
+        }
+    }
+
     fn label(&self) -> &'static str {
         match self {
             PushOutcome::Ok => "ok",
-            PushOutcome::Busy => "busy",
-            PushOutcome::Timeout => "timeout",
-            PushOutcome::Error(_) => "error",
+            PushOutcome::NotSent(NotSent::Busy) => "busy",
+            PushOutcome::NotSent(NotSent::AdmissionTimeout)
+            | PushOutcome::Unknown(Unknown::Timeout) => "timeout",
+            PushOutcome::NotSent(NotSent::Unreachable(_))
+            | PushOutcome::Unknown(Unknown::Error(_)) => "error",
+            PushOutcome::TooLarge(_) => "too_large",
         }
     }
+
+    fn detail(&self) -> &str {
+        match self {
+            PushOutcome::NotSent(NotSent::Unreachable(detail))
+            | PushOutcome::Unknown(Unknown::Error(detail))
+            | PushOutcome::TooLarge(detail) => detail,
+            _ => "",
+        }
+    }
+
+    /// Whether the endpoint answered as a healthy worker does (a request
+    /// too large is the message's fault, not the endpoint's).
+    fn endpoint_healthy(&self) -> bool {
+        matches!(self, PushOutcome::Ok | PushOutcome::TooLarge(_))
+    }
+}
+
+/// A message-size refusal: tonic's own limits answer OUT_OF_RANGE ("decoded
+/// message length too large" from a Rust worker, "encoded message length
+/// too large" from this client), gRPC C-core and Python workers answer
+/// RESOURCE_EXHAUSTED ("Received message larger than max"). A busy worker's
+/// RESOURCE_EXHAUSTED says nothing of the kind.
+fn is_too_large(status: &tonic::Status) -> bool {
+    if !matches!(status.code(), Code::ResourceExhausted | Code::OutOfRange) {
+        return false;
+    }
+    let message = status.message().to_ascii_lowercase();
+    ["too large", "larger than max", "more than 4gb"]
+        .iter()
+        .any(|phrase| message.contains(phrase))
+}
+
+/// Whether the RPC failed while connecting, before any request was written:
+/// tonic keeps the transport's `ConnectError` in the status's source chain.
+fn failed_to_connect(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Application → worker endpoints, spread round-robin.
@@ -463,7 +742,7 @@ impl WorkerEndpoint {
     fn record(&self, outcome: &PushOutcome) {
         let mut health = self.health();
         health.probing = false;
-        if matches!(outcome, PushOutcome::Ok) {
+        if outcome.endpoint_healthy() {
             if health.consecutive_failures > 0 {
                 tracing::info!(endpoint = %self.url, "worker endpoint recovered");
             }
@@ -482,10 +761,7 @@ impl WorkerEndpoint {
             .last_logged
             .is_none_or(|at| now.duration_since(at) >= FAILURE_LOG_INTERVAL);
         if log_now {
-            let detail = match outcome {
-                PushOutcome::Error(message) => message.as_str(),
-                _ => "",
-            };
+            let detail = outcome.detail();
             tracing::warn!(
                 endpoint = %self.url,
                 result = outcome.label(),
@@ -498,5 +774,53 @@ impl WorkerEndpoint {
         } else {
             health.unlogged_failures += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Status;
+
+    #[test]
+    fn size_refusals_are_too_large_not_busy() {
+        for status in [
+            // tonic server (a Rust worker) and tonic client limits.
+            Status::out_of_range(
+                "Error, decoded message length too large: found 5000 bytes, the limit is: 1024 bytes",
+            ),
+            Status::out_of_range(
+                "Error, encoded message length too large: found 5000 bytes, the limit is: 1024 bytes",
+            ),
+            // gRPC C-core (a Python worker).
+            Status::resource_exhausted("Received message larger than max (5000 vs. 4194304)"),
+        ] {
+            assert!(
+                matches!(PushOutcome::of_status(&status), PushOutcome::TooLarge(_)),
+                "{status:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_busy_worker_is_not_sent_and_other_errors_are_unknown() {
+        assert_eq!(
+            PushOutcome::of_status(&Status::resource_exhausted("queue full")),
+            PushOutcome::NotSent(NotSent::Busy)
+        );
+        assert_eq!(
+            PushOutcome::of_status(&Status::deadline_exceeded("late")),
+            PushOutcome::Unknown(Unknown::Timeout)
+        );
+        // Without a connection error in its source chain, UNAVAILABLE may
+        // come from a worker that received the task (shutting down).
+        assert!(matches!(
+            PushOutcome::of_status(&Status::unavailable("worker shutting down")),
+            PushOutcome::Unknown(Unknown::Error(_))
+        ));
+        assert!(matches!(
+            PushOutcome::of_status(&Status::out_of_range("attempt out of range")),
+            PushOutcome::Unknown(Unknown::Error(_))
+        ));
     }
 }

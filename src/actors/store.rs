@@ -371,4 +371,13 @@ store_messages! {
     /// One row by id.
     GetActivation { id: String } -> Option<InflightActivation>,
         "get", |store, msg| store.get(&msg.id);
+
+    /// A push used up an at_most_once task's delivery, or was too large:
+    /// fenced Claimed → Failure.
+    FailClaims { claims: Vec<ClaimToken> } -> u64,
+        "fail_claims", |store, msg| store.fail_claims(&msg.claims);
+
+    /// No worker serves the application: fenced Claimed → Delay until `until`.
+    DeferClaims { claims: Vec<ClaimToken>, until: chrono::DateTime<chrono::Utc> } -> u64,
+        "defer_claims", |store, msg| store.defer_claims(&msg.claims, msg.until);
 }

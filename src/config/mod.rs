@@ -305,7 +305,7 @@ pub const SETTINGS: &[Setting] = &[
             min: 1000,
             max: 86_400_000,
         },
-        description: "How long a claimed activation stays Claimed without a push result; unset = `PUSH_QUEUE_TIMEOUT_MS` + ⌈`PUSH_QUEUE_SIZE` / `PUSH_CONCURRENCY`⌉ × `PUSH_TIMEOUT_MS` + `PUSH_TIMEOUT_MS` + 5000; at least `PUSH_QUEUE_TIMEOUT_MS` + `PUSH_TIMEOUT_MS`.",
+        description: "How long a claimed activation stays Claimed without a push result; unset = `PUSH_QUEUE_TIMEOUT_MS` + ⌈(`PUSH_QUEUE_SIZE` + `FETCH_ACTORS` + 1) / `PUSH_CONCURRENCY`⌉ × `PUSH_TIMEOUT_MS` + `PUSH_TIMEOUT_MS` + 5000; at least that without the 5000.",
         secret: false,
     },
     Setting {
@@ -638,17 +638,21 @@ impl Config {
     /// legitimate time between a claim and its push result:
     ///
     /// `PUSH_QUEUE_TIMEOUT_MS` (submitting to a full push pool)
-    /// \+ ⌈`PUSH_QUEUE_SIZE` / `PUSH_CONCURRENCY`⌉ × `PUSH_TIMEOUT_MS` (waiting in the mailbox
-    /// behind busy slots) + `PUSH_TIMEOUT_MS` (its own push) + [`CLAIM_LEASE_MARGIN`] (5000 ms,
-    /// the mark-processing write).
+    /// \+ ⌈(`PUSH_QUEUE_SIZE` + `FETCH_ACTORS` + 1) / `PUSH_CONCURRENCY`⌉ × `PUSH_TIMEOUT_MS`
+    /// (waiting behind busy slots: the mailbox takes one message per sender beyond its capacity,
+    /// each FetchActor being one sender, and the pool holds one more while it waits for a slot)
+    /// \+ `PUSH_TIMEOUT_MS` (its own push) + [`CLAIM_LEASE_MARGIN`] (5000 ms, the
+    /// mark-processing write).
     pub fn claim_lease(&self) -> Duration {
         self.claim_lease_override.unwrap_or_else(|| {
-            let rounds = self.push_queue_size.div_ceil(self.push_concurrency.max(1));
-            let rounds = u32::try_from(rounds).unwrap_or(u32::MAX);
-            self.push_queue_timeout
-                .saturating_add(self.push_timeout.saturating_mul(rounds))
-                .saturating_add(self.push_timeout)
-                .saturating_add(CLAIM_LEASE_MARGIN)
+            legitimate_push_path(
+                self.push_queue_timeout,
+                self.push_queue_size,
+                self.fetch_actors,
+                self.push_concurrency,
+                self.push_timeout,
+            )
+            .saturating_add(CLAIM_LEASE_MARGIN)
         })
     }
 
@@ -916,6 +920,22 @@ from_value! {
     }
 }
 
+/// The longest legitimate time from a claim to its push result, without the mark-processing
+/// margin (see [`Config::claim_lease`]); an explicit `CLAIM_LEASE_MS` may not be shorter.
+fn legitimate_push_path(
+    queue_timeout: Duration,
+    queue_size: usize,
+    fetch_actors: usize,
+    concurrency: usize,
+    push_timeout: Duration,
+) -> Duration {
+    let waiting = queue_size.saturating_add(fetch_actors).saturating_add(1);
+    let rounds = u32::try_from(waiting.div_ceil(concurrency.max(1))).unwrap_or(u32::MAX);
+    queue_timeout
+        .saturating_add(push_timeout.saturating_mul(rounds))
+        .saturating_add(push_timeout)
+}
+
 /// Every setting parsed on its own, plus the problems found so far.
 struct Values {
     parsed: HashMap<&'static str, Value>,
@@ -964,19 +984,39 @@ impl Values {
         let queue_timeout = self.peek::<Duration>("PUSH_QUEUE_TIMEOUT_MS");
 
         let lease = self.peek::<Duration>("CLAIM_LEASE_MS");
+        // A queue setting that is itself invalid (and reported) counts at its
+        // smallest, so the lease is still checked against a lower bound.
+        let queue_size = self.peek::<usize>("PUSH_QUEUE_SIZE").unwrap_or(0);
+        let fetch_actors = self.peek::<usize>("FETCH_ACTORS").unwrap_or(0);
+        let concurrency = self
+            .peek::<usize>("PUSH_CONCURRENCY")
+            .unwrap_or(queue_size + fetch_actors + 1);
         if let (Some(lease), Some(queue_timeout), Some(push_timeout)) =
             (lease, queue_timeout, push_timeout)
         {
-            let minimum = queue_timeout.saturating_add(push_timeout);
+            let minimum = legitimate_push_path(
+                queue_timeout,
+                queue_size,
+                fetch_actors,
+                concurrency,
+                push_timeout,
+            );
             if lease < minimum {
                 self.conflict(
                     "CLAIM_LEASE_MS",
                     lease.as_millis().to_string(),
                     format!(
                         "must be at least {ENV_PREFIX}PUSH_QUEUE_TIMEOUT_MS + \
-                         {ENV_PREFIX}PUSH_TIMEOUT_MS = {} + {} = {} ms, or unset to derive it, \
-                         so a claim cannot expire while its push may still succeed",
+                         ⌈({ENV_PREFIX}PUSH_QUEUE_SIZE + {ENV_PREFIX}FETCH_ACTORS + 1) / \
+                         {ENV_PREFIX}PUSH_CONCURRENCY⌉ × {ENV_PREFIX}PUSH_TIMEOUT_MS + \
+                         {ENV_PREFIX}PUSH_TIMEOUT_MS = {} + ⌈({} + {} + 1) / {}⌉ × {} + {} = {} ms, \
+                         or unset to derive it, so a claim cannot expire while its push may \
+                         still succeed",
                         queue_timeout.as_millis(),
+                        queue_size,
+                        fetch_actors,
+                        concurrency,
+                        push_timeout.as_millis(),
                         push_timeout.as_millis(),
                         minimum.as_millis(),
                     ),

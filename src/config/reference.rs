@@ -35,16 +35,20 @@ A claimed activation must not return to Pending while its push may still succeed
 default lease covers the longest legitimate time between a claim and its push result:
 
 ```text
-  PUSH_QUEUE_TIMEOUT_MS                                          submitting to a full push pool
-+ ceil(PUSH_QUEUE_SIZE / PUSH_CONCURRENCY) * PUSH_TIMEOUT_MS     waiting behind busy push slots
-+ PUSH_TIMEOUT_MS                                                its own push
-+ 5000                                                           the mark-processing write
+  PUSH_QUEUE_TIMEOUT_MS                                       submitting to a full push pool
++ ceil((PUSH_QUEUE_SIZE + FETCH_ACTORS + 1) / PUSH_CONCURRENCY)
+    * PUSH_TIMEOUT_MS                                         waiting behind busy push slots
++ PUSH_TIMEOUT_MS                                             its own push
++ 5000                                                        the mark-processing write
 ```
 
 ";
 
 const MARKDOWN_LEASE_AND_COMMIT: &str = "\
-`TASKBROKER_CLAIM_LEASE_MS` overrides it; a value below `PUSH_QUEUE_TIMEOUT_MS + PUSH_TIMEOUT_MS`
+The push pool's mailbox holds `PUSH_QUEUE_SIZE` activations plus one per FetchActor (each is a
+sender, and actix lets every sender put one message into a full mailbox), and the pool holds one
+more while it waits for a free slot: hence `PUSH_QUEUE_SIZE + FETCH_ACTORS + 1`.
+`TASKBROKER_CLAIM_LEASE_MS` overrides it; a value below the formula without its 5000 ms margin
 is refused. A longer lease only delays redelivery after a broker crash; a lease that is too short
 delivers tasks twice.
 

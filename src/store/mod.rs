@@ -208,4 +208,20 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// One row by id, for inspection and tests.
     async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>>;
+
+    /// A claimed activation's push ended in a way that uses up its one
+    /// delivery (an at_most_once task whose push outcome is unknown, or a
+    /// request too large for the worker): fenced Claimed → Failure with one
+    /// more attempt, so upkeep dead-letters or discards it per its
+    /// `on_attempts_exceeded`. Returns how many rows moved.
+    async fn fail_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64>;
+
+    /// No worker serves these claims' application: fenced Claimed → Delay
+    /// until `until`, no attempt consumed; upkeep's Delay → Pending step
+    /// offers them again. Returns how many rows moved.
+    async fn defer_claims(
+        &self,
+        claims: &[ClaimToken],
+        until: chrono::DateTime<chrono::Utc>,
+    ) -> StoreResult<u64>;
 }

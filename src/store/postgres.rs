@@ -350,6 +350,20 @@ const FAIL_CLAIM_ATTEMPT: &str = concat!(
      FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
 );
 
+// The push used up the task's one delivery: the attempt counts.
+const FAIL_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t \
+       SET processing_attempts = t.processing_attempts + 1, status = 'Failure' \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+const DEFER_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Delay', delay_until = $3 \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
 // Counts are over distinct ids; `existing` is read from the statement's
 // snapshot, i.e. before the update. `late` marks reports that likely come
 // from an earlier delivery (the row is past its processing deadline, or was
@@ -863,6 +877,26 @@ impl ActivationStore for PostgresStore {
         const OP: &str = "get";
         let rows = self.query(&self.pool, OP, GET, &[&id]).await?;
         rows.first().map(activation_from_row).transpose()
+    }
+
+    async fn fail_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "fail_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        self.execute(&self.pool, OP, FAIL_CLAIMS, &[&ids, &expiries])
+            .await
+    }
+
+    async fn defer_claims(&self, claims: &[ClaimToken], until: DateTime<Utc>) -> StoreResult<u64> {
+        const OP: &str = "defer_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        self.execute(&self.pool, OP, DEFER_CLAIMS, &[&ids, &expiries, &until])
+            .await
     }
 }
 

@@ -732,6 +732,12 @@ const FAIL_CLAIM_ATTEMPT: &str = fenced_claims!(
      status = CASE WHEN processing_attempts + 1 >= ?2 THEN 'Failure' ELSE 'Pending' END"
 );
 
+// The push used up the task's one delivery: the attempt counts.
+const FAIL_CLAIMS: &str =
+    fenced_claims!("processing_attempts = processing_attempts + 1, status = 'Failure'");
+
+const DEFER_CLAIMS: &str = fenced_claims!("status = 'Delay', delay_until = ?2");
+
 // Answers one row when the report applied, saying whether it likely came
 // from an earlier delivery (`?3` now): past the processing deadline, or
 // delivered before. The update changes only `status`, so RETURNING sees the
@@ -1210,6 +1216,32 @@ impl ActivationStore for SqliteStore {
             Ok(query_rows(connection, OP, GET, params![id])?
                 .into_iter()
                 .next())
+        })
+        .await
+    }
+
+    async fn fail_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "fail_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        // Durable: losing it would deliver an at_most_once task again.
+        self.write(OP, true, move |connection| {
+            fenced(connection, OP, FAIL_CLAIMS, &claims, None).map(|ids| ids.len() as u64)
+        })
+        .await
+    }
+
+    async fn defer_claims(&self, claims: &[ClaimToken], until: DateTime<Utc>) -> StoreResult<u64> {
+        const OP: &str = "defer_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        let until = micros_of(until);
+        self.write(OP, true, move |connection| {
+            fenced(connection, OP, DEFER_CLAIMS, &claims, Some(until)).map(|ids| ids.len() as u64)
         })
         .await
     }

@@ -194,7 +194,7 @@ pub mod labels {
     /// The `kind` of `taskbroker_store_operation_errors_total`: what
     /// `StoreError::kind` answers for a running operation (migration and
     /// configuration errors only happen at startup, outside these metrics).
-    pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "query", "invalid_row"];
+    pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "rejected", "query", "invalid_row"];
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.

@@ -35,6 +35,10 @@ pub enum ActivationError {
         field: &'static str,
         problem: TextProblem,
     },
+    /// Decoded fine, but the store refused the row (`StoreError::Rejected`):
+    /// the defence behind the checks above, for whatever they miss.
+    #[error("the store refused the activation: {0}")]
+    StoreRejected(String),
 }
 
 /// Longest activation id either store accepts, in bytes. Ids are UUIDs in
@@ -102,6 +106,7 @@ impl ActivationError {
             ActivationError::OutOfRange { .. } => "out_of_range",
             ActivationError::TooLarge { .. } => "too_large",
             ActivationError::InvalidText { .. } => "invalid_text",
+            ActivationError::StoreRejected(_) => "store_rejected",
         }
     }
 }

@@ -52,6 +52,9 @@ pub struct Metrics {
     pub consumer_assignments: IntCounter,
     /// Partitions paused for backpressure.
     pub partitions_paused: IntGauge,
+    /// Records read from Kafka whose offsets are not committed yet (the
+    /// batch being built and the one being written).
+    pub consumer_pending_records: IntGauge,
     /// Completed upkeep cycles.
     pub upkeep_cycles: IntCounter,
     /// Upkeep step durations, by step.
@@ -108,6 +111,7 @@ pub mod labels {
         "out_of_range",
         "too_large",
         "invalid_text",
+        "store_rejected",
     ];
     /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
     /// `result` of `taskbroker_published_total`.
@@ -324,7 +328,12 @@ impl Metrics {
         );
         let partitions_paused = IntGauge::new(
             "taskbroker_consumer_partitions_paused",
-            "Kafka partitions paused because the store holds MAX_INFLIGHT rows.",
+            "Kafka partitions paused: the store holds MAX_INFLIGHT rows, or a batch waits for the store or the ingest dead-letter topic.",
+        )
+        .expect("valid metric definition");
+        let consumer_pending_records = IntGauge::new(
+            "taskbroker_consumer_pending_records",
+            "Records read from Kafka and not yet stored (or dead-lettered) and committed.",
         )
         .expect("valid metric definition");
         let upkeep_cycles = counter("taskbroker_upkeep_cycles_total", "Completed upkeep cycles.");
@@ -365,6 +374,7 @@ impl Metrics {
             Box::new(partitions_assigned.clone()),
             Box::new(consumer_assignments.clone()),
             Box::new(partitions_paused.clone()),
+            Box::new(consumer_pending_records.clone()),
             Box::new(upkeep_cycles.clone()),
             Box::new(upkeep_duration.clone()),
             Box::new(upkeep_transitions.clone()),
@@ -413,6 +423,7 @@ impl Metrics {
             partitions_assigned,
             consumer_assignments,
             partitions_paused,
+            consumer_pending_records,
             upkeep_cycles,
             upkeep_duration,
             upkeep_transitions,

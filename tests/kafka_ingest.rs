@@ -14,7 +14,9 @@ use common::{Backend, TestStore, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
 use taskbroker::actors::StoreActor;
-use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig, REASON_HEADER, StopConsuming};
+use taskbroker::actors::consumer::{
+    ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
+};
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::actors::upkeep::{UpkeepActor, UpkeepConfig};
@@ -112,6 +114,16 @@ fn activation(id: String) -> TaskActivation {
         application: Some("app".to_owned()),
         ..Default::default()
     }
+}
+
+/// The value of header `key` on a record, as text.
+fn header(record: &rdkafka::message::OwnedMessage, key: &str) -> Option<String> {
+    record
+        .headers()?
+        .iter()
+        .find(|header| header.key == key)
+        .and_then(|header| header.value)
+        .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
 fn valid_payloads(prefix: &str, n: usize) -> Vec<Vec<u8>> {
@@ -253,16 +265,24 @@ async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
     assert_eq!(dead.len(), 250);
     let mut by_reason: HashMap<String, usize> = HashMap::new();
-    let expected: HashSet<Vec<u8>> = bad.iter().map(|(_, bytes)| bytes.clone()).collect();
+    // Records over MAX_ACTIVATION_BYTES are dead-lettered cut to that size,
+    // with their original size in a header.
+    let expected: HashSet<Vec<u8>> = bad
+        .iter()
+        .map(|(_, bytes)| bytes[..bytes.len().min(2048)].to_vec())
+        .collect();
     for record in &dead {
         assert!(expected.contains(&payload(record)), "original bytes kept");
-        let headers = record.headers().expect("error headers");
-        let reason = headers
-            .iter()
-            .find(|header| header.key == REASON_HEADER)
-            .and_then(|header| header.value)
-            .map(|value| String::from_utf8_lossy(value).into_owned())
-            .expect("reason header");
+        let reason = header(record, REASON_HEADER).expect("reason header");
+        if reason == "too_large" {
+            let original: usize = header(record, ORIGINAL_BYTES_HEADER)
+                .expect("original size header")
+                .parse()
+                .expect("a size");
+            assert!(original > 4096, "{original}");
+        } else {
+            assert_eq!(header(record, ORIGINAL_BYTES_HEADER), None);
+        }
         *by_reason.entry(reason).or_default() += 1;
     }
     assert!(by_reason.values().all(|&n| n == 50), "{by_reason:?}");

@@ -7,19 +7,37 @@
 //! - Sends: [`InsertBatch`] and [`CountByStatus`] to the StoreActor;
 //!   [`WakeFetch`] to FetchActors after each stored batch.
 //!
-//! Offsets are committed by hand, and only up to records whose batch the
-//! StoreActor acknowledged (rows durable, invalid records acknowledged by
-//! the ingest DLQ, expired records counted). A crash between insert and
-//! commit re-reads the batch; inserts are idempotent, so each activation is
-//! still stored once.
+//! Offsets are committed by hand, and only up to records the batch fully
+//! settled: rows the StoreActor acknowledged as durable, invalid records the
+//! ingest DLQ acknowledged, expired records counted. A crash between insert
+//! and commit re-reads the batch; inserts are idempotent, so each activation
+//! is still stored once. Offsets of a partition revoked after its records
+//! were read are never committed: its new owner re-reads them.
+//!
+//! A batch the store refuses as data (`StoreError::Rejected`) is split in
+//! halves until each refused row is alone; the others are stored and the
+//! refused ones dead-lettered (`store_rejected`). Any other store failure,
+//! and any failed dead-letter write, is retried with backoff
+//! ([`RETRY_BACKOFF_MIN`] doubling to [`RETRY_BACKOFF_MAX`]) while every
+//! assigned partition is paused, so nothing piles up and nothing is skipped.
 //!
 //! Backpressure: when the rows still in flight (Pending, Delay, Claimed,
-//! Processing) reach `MAX_INFLIGHT`, every assigned partition is paused;
-//! the loop keeps polling (so group membership and rebalances stay alive)
-//! and resumes below 90 % of the limit.
+//! Processing) reach `MAX_INFLIGHT`, every assigned partition is paused, and
+//! no batch is inserted until they drop below 90 % of the limit. The bound
+//! is checked at startup before the first poll, on every assignment (inside
+//! the rebalance callback, before librdkafka hands out a record) and before
+//! every insert, so the table never holds more than `MAX_INFLIGHT` plus one
+//! batch per consumer. While paused the loop keeps polling, so group
+//! membership and rebalances stay alive.
+//!
+//! Stopping: what was read is stored and committed; once stop is requested a
+//! write gets [`STOP_GRACE`] more to finish, and nothing is retried, so a
+//! store or Kafka outage cannot hold shutdown up. What could not be stored
+//! or dead-lettered is left uncommitted for the next owner.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -27,7 +45,7 @@ use futures::FutureExt as _;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
@@ -40,19 +58,31 @@ use super::store::{CountByStatus, InsertBatch, StoreActor};
 use crate::activation::{ActivationError, KafkaPosition, inflight_from_record};
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
-use crate::store::InflightActivation;
+use crate::store::{InflightActivation, StoreError};
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
 /// the loop goes without polling Kafka.
 const TICK: Duration = Duration::from_millis(250);
 /// Pause after a consumer error before polling again.
 const CONSUMER_ERROR_PAUSE: Duration = Duration::from_millis(200);
-/// Pause between retries of a batch the store refused.
-const INSERT_RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// First pause before retrying a failed insert or dead-letter write.
+pub const RETRY_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest pause between retries; the backoff doubles up to it.
+pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Once stop is requested, how much longer a write already running (or the
+/// last flush's insert and dead-letter writes) may take before the consumer
+/// gives up on them without committing.
+pub const STOP_GRACE: Duration = Duration::from_secs(1);
+/// How long the dead-letter producer tries to deliver one record before the
+/// attempt counts as failed and is retried.
+const DEAD_LETTER_DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Header names on ingest dead-letter records.
 pub const ERROR_HEADER: &str = "taskbroker-error";
 pub const REASON_HEADER: &str = "taskbroker-error-reason";
 pub const SOURCE_HEADER: &str = "taskbroker-source";
+/// On a dead-letter record cut to `MAX_ACTIVATION_BYTES`: the size of the
+/// original record, which stays in the source topic (see SOURCE_HEADER).
+pub const ORIGINAL_BYTES_HEADER: &str = "taskbroker-original-bytes";
 
 /// Settings of the consumer.
 #[derive(Debug, Clone)]
@@ -79,12 +109,16 @@ pub struct ConsumerConfig {
 #[rtype(result = "()")]
 pub struct StopConsuming;
 
+/// The stop signal: `Some(when the consumer gives up on unfinished writes)`
+/// once stop was requested.
+type StopSignal = watch::Receiver<Option<Instant>>;
+
 pub struct ConsumerActor {
     config: ConsumerConfig,
     store: Addr<StoreActor>,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
-    stop: watch::Sender<bool>,
+    stop: watch::Sender<Option<Instant>>,
     stopped: Vec<oneshot::Sender<()>>,
 }
 
@@ -100,7 +134,7 @@ impl ConsumerActor {
             store,
             wake,
             metrics,
-            stop: watch::channel(false).0,
+            stop: watch::channel(None).0,
             stopped: Vec::new(),
         }
     }
@@ -140,7 +174,12 @@ impl Handler<StopConsuming> for ConsumerActor {
     type Result = ResponseFuture<()>;
 
     fn handle(&mut self, _: StopConsuming, _ctx: &mut Self::Context) -> Self::Result {
-        let _ = self.stop.send(true);
+        // The first request fixes the deadline; later ones do not extend it.
+        self.stop.send_if_modified(|stop| {
+            let first = stop.is_none();
+            stop.get_or_insert_with(|| Instant::now() + STOP_GRACE);
+            first
+        });
         let (done, stopped) = oneshot::channel();
         self.stopped.push(done);
         Box::pin(async move {
@@ -149,20 +188,64 @@ impl Handler<StopConsuming> for ConsumerActor {
     }
 }
 
-/// Rebalance events, forwarded from librdkafka's callback to the loop.
+/// Rebalance events, forwarded from librdkafka's callback to the loop (for
+/// logs and metrics; what must not wait is done in the callback itself).
 #[derive(Debug)]
 enum Rebalanced {
-    Assigned(usize),
+    Assigned,
     Revoked,
+}
+
+/// What the rebalance callback changes at once, inside the poll that runs
+/// it, so the loop never commits or fetches on a stale view of its
+/// partitions.
+#[derive(Debug, Default)]
+struct Ownership {
+    state: Mutex<OwnershipState>,
+}
+
+#[derive(Debug, Default)]
+struct OwnershipState {
+    /// How often each partition was revoked from this consumer. Offsets
+    /// read under an earlier count belong to an ownership that ended (the
+    /// partition may have had another owner since) and are never committed.
+    revocations: HashMap<(String, i32), u64>,
+    /// Pause partitions the moment they are assigned.
+    hold: bool,
+}
+
+impl Ownership {
+    fn lock(&self) -> MutexGuard<'_, OwnershipState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn generation(&self, topic: &str, partition: i32) -> u64 {
+        self.lock()
+            .revocations
+            .get(&(topic.to_owned(), partition))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn revoke(&self, partitions: &TopicPartitionList) {
+        let mut state = self.lock();
+        for element in partitions.elements() {
+            *state
+                .revocations
+                .entry((element.topic().to_owned(), element.partition()))
+                .or_default() += 1;
+        }
+    }
 }
 
 struct RebalanceContext {
     events: mpsc::UnboundedSender<Rebalanced>,
+    ownership: Arc<Ownership>,
     log: ThrottledLog,
 }
 
 impl ClientContext for RebalanceContext {
-    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+    fn error(&self, error: KafkaError, reason: &str) {
         self.log.error(error, reason);
     }
 }
@@ -177,9 +260,26 @@ impl ConsumerContext for RebalanceContext {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // Before librdkafka lets the partitions go: from here on, offsets
+        // read from them are not ours to commit.
+        if let Rebalance::Revoke(partitions) = rebalance {
+            self.ownership.revoke(partitions);
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let event = match rebalance {
-            Rebalance::Assign(partitions) => Rebalanced::Assigned(partitions.count()),
+            Rebalance::Assign(partitions) => {
+                // Paused while the store is full or a batch is blocked: a
+                // new assignment must not deliver a record first.
+                if self.ownership.lock().hold
+                    && let Err(err) = consumer.pause(partitions)
+                {
+                    tracing::warn!(error = %err, "cannot pause newly assigned partitions");
+                }
+                Rebalanced::Assigned
+            }
             Rebalance::Revoke(_) => Rebalanced::Revoked,
             Rebalance::Error(err) => {
                 tracing::warn!(error = %err, "Kafka rebalance failed");
@@ -193,6 +293,8 @@ impl ConsumerContext for RebalanceContext {
 /// A record that is not a valid activation, kept for the ingest DLQ.
 struct Invalid {
     bytes: Vec<u8>,
+    /// Size of the record as read, when `bytes` holds only its beginning.
+    original_len: Option<usize>,
     position: KafkaPosition,
     error: ActivationError,
 }
@@ -203,8 +305,9 @@ struct Batch {
     rows: Vec<InflightActivation>,
     invalid: Vec<Invalid>,
     expired: u64,
-    /// Highest offset read per (topic, partition).
-    offsets: BTreeMap<(String, i32), i64>,
+    /// Per (topic, partition): the ownership generation the records were
+    /// read under, and the highest offset read.
+    offsets: BTreeMap<(String, i32), (u64, i64)>,
     started: Option<Instant>,
 }
 
@@ -214,16 +317,88 @@ impl Batch {
     }
 }
 
+/// How a flush ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Flushed {
+    /// Everything stored or dead-lettered, offsets committed.
+    Committed,
+    /// Stop was requested before the batch could be written: nothing of it
+    /// was committed.
+    GaveUp,
+    /// The test-only crash switch fired.
+    Crashed,
+}
+
+/// Stop was requested while a write was unfinished.
+#[derive(Debug)]
+struct Stopped;
+
+/// Exponential backoff between retries.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff(RETRY_BACKOFF_MIN)
+    }
+
+    fn next(&mut self) -> Duration {
+        let pause = self.0;
+        self.0 = (self.0 * 2).min(RETRY_BACKOFF_MAX);
+        pause
+    }
+}
+
+/// Resolves once stop is requested (or the actor is gone).
+async fn stop_requested(stop: &mut StopSignal) {
+    let _ = stop.wait_for(Option::is_some).await;
+}
+
+/// Resolves when a stopping consumer gives up on unfinished writes.
+async fn give_up(mut stop: StopSignal) {
+    let deadline = match stop.wait_for(Option::is_some).await {
+        Ok(deadline) => deadline.unwrap_or_else(Instant::now),
+        Err(_) => return, // the actor is gone
+    };
+    tokio::time::sleep_until(deadline).await;
+}
+
+/// The payload and position of a record, owned, so the borrowed message
+/// (and with it the consumer) is released at once.
+fn record_of(message: &impl rdkafka::message::Message) -> (Vec<u8>, KafkaPosition) {
+    let position = KafkaPosition {
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: message.offset(),
+    };
+    (message.payload().unwrap_or_default().to_vec(), position)
+}
+
+/// The outcome of one insert, retried through transient failures.
+enum Inserted {
+    Stored(u64),
+    Rejected(StoreError),
+}
+
 struct ConsumeLoop {
     config: ConsumerConfig,
     consumer: StreamConsumer<RebalanceContext>,
+    ownership: Arc<Ownership>,
     dead_letters: Producer,
     error_log: ThrottledLog,
     rebalances: mpsc::UnboundedReceiver<Rebalanced>,
     store: Addr<StoreActor>,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
-    stop: watch::Receiver<bool>,
+    stop: StopSignal,
+    /// Records read and not yet handed to a flush.
+    batch: Batch,
+    /// Records of the flush under way.
+    flushing: usize,
+    /// The store holds `MAX_INFLIGHT` rows (until it drains below 90 %).
+    full: bool,
+    /// A flush waits for the store or the ingest DLQ.
+    held: bool,
+    /// Whether the assigned partitions are paused now.
     paused: bool,
     /// In-flight rows: last count read plus rows stored since.
     inflight: u64,
@@ -236,14 +411,16 @@ impl ConsumeLoop {
         store: Addr<StoreActor>,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
-        stop: watch::Receiver<bool>,
+        stop: StopSignal,
     ) -> Result<Self, String> {
         let (events, rebalances) = mpsc::unbounded_channel();
+        let ownership = Arc::new(Ownership::default());
         let consumer: StreamConsumer<RebalanceContext> = config
             .kafka
             .consumer(&config.group, &config.auto_offset_reset)
             .create_with_context(RebalanceContext {
                 events,
+                ownership: Arc::clone(&ownership),
                 log: ThrottledLog::default(),
             })
             .map_err(|err| format!("Kafka consumer: {err}"))?;
@@ -252,11 +429,12 @@ impl ConsumeLoop {
             .map_err(|err| format!("cannot subscribe to {}: {err}", config.topic))?;
         let dead_letters = config
             .kafka
-            .create_producer(Duration::from_secs(30))
+            .create_producer(DEAD_LETTER_DELIVERY_TIMEOUT)
             .map_err(|err| format!("Kafka producer: {err}"))?;
         Ok(ConsumeLoop {
             config,
             consumer,
+            ownership,
             dead_letters,
             rebalances,
             store,
@@ -264,6 +442,10 @@ impl ConsumeLoop {
             metrics,
             stop,
             error_log: ThrottledLog::default(),
+            batch: Batch::default(),
+            flushing: 0,
+            full: false,
+            held: false,
             paused: false,
             inflight: 0,
             batches_stored: 0,
@@ -272,45 +454,50 @@ impl ConsumeLoop {
 
     async fn run(mut self) {
         tracing::info!(topic = %self.config.topic, group = %self.config.group, "consuming");
+        // Before the first poll: a broker restarted on a full store must
+        // not insert another batch before it notices.
         self.refresh_inflight().await;
-        let mut batch = Batch::default();
+        self.update_backpressure();
         let mut tick = tokio::time::interval(TICK);
         loop {
-            let flush_at = batch
+            let flush_at = self
+                .batch
                 .started
                 .map(|started| started + self.config.batch_max_wait);
             tokio::select! {
                 biased;
-                _ = self.stop.changed() => break,
+                () = stop_requested(&mut self.stop) => break,
                 Some(event) = self.rebalances.recv() => self.rebalanced(event),
-                _ = sleep_until(flush_at) => {
-                    if !self.flush(&mut batch).await { return; }
+                () = sleep_until(flush_at) => {
+                    if self.flush(CommitMode::Async).await != Flushed::Committed { return; }
                 }
                 // Also keeps librdkafka polled while paused, so the group
                 // does not consider this member dead.
                 _ = tick.tick() => {
-                    if self.paused {
+                    if self.full {
                         self.refresh_inflight().await;
-                        self.apply_backpressure();
+                        self.update_backpressure();
                     }
                 }
                 // Paused partitions deliver nothing; polling goes on regardless.
                 message = self.consumer.recv() => {
                     match message {
                         Ok(message) => {
-                            self.read_message(&mut batch, &message);
+                            let (payload, position) = record_of(&message);
+                            self.read(payload, position);
                             // Take whatever else librdkafka already holds, up
                             // to a full batch: with INSERT_BATCH_MAX_MS = 0
                             // the batch is written as soon as nothing more is
                             // ready, so it grows with the load (records pile
                             // up while the previous insert runs).
-                            while batch.records() < self.config.batch_size {
+                            while self.batch.records() < self.config.batch_size {
                                 match self.consumer.recv().now_or_never() {
-                                    Some(Ok(message)) => self.read_message(&mut batch, &message),
+                                    Some(Ok(message)) => {
+                                        let (payload, position) = record_of(&message);
+                                        self.read(payload, position);
+                                    }
                                     Some(Err(err)) => {
-                                        self.error_log.maybe(|suppressed| {
-                                            tracing::warn!(error = %err, suppressed, "Kafka consumer error");
-                                        });
+                                        self.log_consumer_error(&err);
                                         break;
                                     }
                                     None => break,
@@ -320,14 +507,12 @@ impl ConsumeLoop {
                         Err(err) => {
                             // librdkafka repeats errors such as "all brokers
                             // down" on every poll: log a few, and do not spin.
-                            self.error_log.maybe(|suppressed| {
-                                tracing::warn!(error = %err, suppressed, "Kafka consumer error");
-                            });
+                            self.log_consumer_error(&err);
                             tokio::time::sleep(CONSUMER_ERROR_PAUSE).await;
                         }
                     }
-                    if batch.records() >= self.config.batch_size
-                        && !self.flush(&mut batch).await
+                    if self.batch.records() >= self.config.batch_size
+                        && self.flush(CommitMode::Async).await != Flushed::Committed
                     {
                         return;
                     }
@@ -338,110 +523,159 @@ impl ConsumeLoop {
         // synchronously: an asynchronous commit still queued when the
         // consumer closes can be lost, and the partition's next owner would
         // then read (and run) the batch again.
-        self.flush_with(&mut batch, CommitMode::Sync).await;
+        self.flush(CommitMode::Sync).await;
         tracing::info!(topic = %self.config.topic, "consumer stopped");
     }
 
+    fn log_consumer_error(&self, err: &KafkaError) {
+        self.error_log.maybe(|suppressed| {
+            tracing::warn!(error = %err, suppressed, "Kafka consumer error");
+        });
+    }
+
     fn rebalanced(&mut self, event: Rebalanced) {
+        let assigned = self.consumer.assignment().map_or(0, |list| list.count());
+        self.metrics.partitions_assigned.set(assigned as i64);
         match event {
-            Rebalanced::Assigned(count) => {
-                tracing::info!(partitions = count, "Kafka partitions assigned");
-                self.metrics.partitions_assigned.set(count as i64);
+            Rebalanced::Assigned => {
+                tracing::info!(partitions = assigned, "Kafka partitions assigned");
                 self.metrics.consumer_assignments.inc();
-                if self.paused {
-                    self.pause_assigned();
-                }
             }
+            // Rows already read are still stored (inserts are idempotent);
+            // their offsets are left to the partition's next owner.
             Rebalanced::Revoked => {
-                // Rows already read are still stored (inserts are
-                // idempotent); committing them for a partition we lost fails
-                // harmlessly and the new owner re-reads them.
-                tracing::info!("Kafka partitions revoked");
-                self.metrics.partitions_assigned.set(0);
-                self.metrics.partitions_paused.set(0);
+                tracing::info!(partitions = assigned, "Kafka partitions revoked")
             }
+        }
+        // The callback paused new partitions already; this keeps the gauge
+        // (and any partition it could not pause) in step.
+        if self.paused {
+            self.pause_assigned();
         }
     }
 
-    fn read_message(&self, batch: &mut Batch, message: &impl rdkafka::message::Message) {
-        let position = KafkaPosition {
-            topic: message.topic().to_owned(),
-            partition: message.partition(),
-            offset: message.offset(),
-        };
-        let payload = message.payload().unwrap_or_default().to_vec();
-        self.read(batch, payload, position);
-    }
-
-    /// Classifies one record into the batch.
-    fn read(&self, batch: &mut Batch, payload: Vec<u8>, position: KafkaPosition) {
+    /// Classifies one record into the batch being built.
+    fn read(&mut self, payload: Vec<u8>, position: KafkaPosition) {
+        let batch = &mut self.batch;
         batch.started.get_or_insert_with(Instant::now);
-        let key = (position.topic.clone(), position.partition);
+        let generation = self
+            .ownership
+            .generation(&position.topic, position.partition);
         let offset = position.offset;
-        let entry = batch.offsets.entry(key).or_insert(offset);
-        *entry = (*entry).max(offset);
+        batch
+            .offsets
+            .entry((position.topic.clone(), position.partition))
+            .and_modify(|(read_under, highest)| {
+                if *read_under == generation {
+                    *highest = (*highest).max(offset);
+                } else {
+                    // Read again under a new ownership: only what was read
+                    // since counts.
+                    *read_under = generation;
+                    *highest = offset;
+                }
+            })
+            .or_insert((generation, offset));
 
-        if payload.len() > self.config.max_activation_bytes {
+        let limit = self.config.max_activation_bytes;
+        if payload.len() > limit {
             let error = ActivationError::TooLarge {
                 bytes: payload.len(),
-                limit: self.config.max_activation_bytes,
+                limit,
             };
+            // The dead-letter producer is sized for MAX_ACTIVATION_BYTES: an
+            // oversized record goes there cut to that size (its full bytes
+            // stay in the source topic, named by the source header), so it
+            // can never block the partition.
+            let original_len = payload.len();
+            let mut bytes = payload;
+            bytes.truncate(limit);
             batch.invalid.push(Invalid {
-                bytes: payload,
+                bytes,
+                original_len: Some(original_len),
                 position,
                 error,
             });
-            return;
-        }
-        let now = chrono::Utc::now();
-        match inflight_from_record(&payload, position.clone(), now, self.config.max_delay) {
-            Ok(row) if row.expires_at.is_some_and(|expires| expires <= now) => {
-                batch.expired += 1;
+        } else {
+            let now = chrono::Utc::now();
+            match inflight_from_record(&payload, position.clone(), now, self.config.max_delay) {
+                Ok(row) if row.expires_at.is_some_and(|expires| expires <= now) => {
+                    batch.expired += 1;
+                }
+                Ok(row) => batch.rows.push(row),
+                Err(error) => batch.invalid.push(Invalid {
+                    bytes: payload,
+                    original_len: None,
+                    position,
+                    error,
+                }),
             }
-            Ok(row) => batch.rows.push(row),
-            Err(error) => batch.invalid.push(Invalid {
-                bytes: payload,
-                position,
-                error,
-            }),
         }
+        self.show_pending();
+    }
+
+    fn show_pending(&self) {
+        self.metrics
+            .consumer_pending_records
+            .set((self.batch.records() + self.flushing) as i64);
     }
 
     /// Stores the batch, dead-letters its invalid records, then commits its
-    /// offsets. Returns false when the loop must end (the test-only crash).
-    async fn flush(&mut self, batch: &mut Batch) -> bool {
-        self.flush_with(batch, CommitMode::Async).await
+    /// offsets; records read meanwhile form the next batch.
+    async fn flush(&mut self, mode: CommitMode) -> Flushed {
+        if self.batch.records() == 0 {
+            self.batch.started = None;
+            return Flushed::Committed;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        self.flushing = batch.records();
+        let flushed = self.write(batch, mode).await;
+        self.flushing = 0;
+        self.show_pending();
+        self.held = false;
+        self.update_backpressure();
+        if flushed == Flushed::GaveUp {
+            tracing::warn!(
+                "stopping with a batch not fully written; its offsets stay uncommitted \
+                 and the partitions' next owner reads it again"
+            );
+        }
+        flushed
     }
 
-    async fn flush_with(&mut self, batch: &mut Batch, mode: CommitMode) -> bool {
-        if batch.records() == 0 {
-            batch.started = None;
-            return true;
-        }
+    async fn write(&mut self, batch: Batch, mode: CommitMode) -> Flushed {
         let Batch {
             rows,
-            invalid,
+            mut invalid,
             expired,
             offsets,
             ..
-        } = std::mem::take(batch);
+        } = batch;
         let read = rows.len() as u64;
-        let stored = self.insert(rows).await;
-        self.dead_letter(invalid).await;
-        if expired > 0 {
-            self.metrics
-                .consumer_records
-                .with_label_values(&["expired"])
-                .inc_by(expired);
+        let mut stored = 0;
+        if !rows.is_empty() {
+            if self.wait_for_room().await.is_err() {
+                return Flushed::GaveUp;
+            }
+            let Ok((inserted, refused)) = self.store_rows(rows).await else {
+                return Flushed::GaveUp;
+            };
+            stored = inserted;
+            invalid.extend(refused);
         }
-        self.metrics
-            .consumer_records
-            .with_label_values(&["stored"])
-            .inc_by(stored);
-        self.metrics
-            .consumer_records
+        let refused = invalid
+            .iter()
+            .filter(|record| matches!(record.error, ActivationError::StoreRejected(_)))
+            .count() as u64;
+        if self.dead_letter(invalid).await.is_err() {
+            return Flushed::GaveUp;
+        }
+        let metrics = &self.metrics.consumer_records;
+        metrics.with_label_values(&["expired"]).inc_by(expired);
+        metrics.with_label_values(&["stored"]).inc_by(stored);
+        metrics
             .with_label_values(&["duplicate"])
-            .inc_by(read - stored);
+            .inc_by(read - refused - stored);
         self.batches_stored += 1;
         if self
             .config
@@ -449,7 +683,7 @@ impl ConsumeLoop {
             .is_some_and(|limit| self.batches_stored >= limit)
         {
             tracing::warn!("test switch: stopping between insert and commit");
-            return false;
+            return Flushed::Crashed;
         }
         self.commit(&offsets, mode);
         if stored > 0 {
@@ -458,106 +692,267 @@ impl ConsumeLoop {
             }
         }
         self.inflight += stored;
-        self.apply_backpressure();
-        true
+        Flushed::Committed
     }
 
-    /// Inserts until the store accepts the batch (or the consumer stops):
-    /// offsets never move past rows that are not stored.
-    async fn insert(&mut self, rows: Vec<InflightActivation>) -> u64 {
-        if rows.is_empty() {
-            return 0;
+    /// Waits, paused, while the store holds `MAX_INFLIGHT` rows or more:
+    /// the check before every insert.
+    async fn wait_for_room(&mut self) -> Result<(), Stopped> {
+        if self.inflight < self.config.max_inflight {
+            return Ok(());
         }
-        let rows = Arc::new(rows);
+        self.update_backpressure();
+        while self.full {
+            if !self.wait_polling(TICK).await {
+                return Err(Stopped);
+            }
+            self.refresh_inflight().await;
+            self.update_backpressure();
+        }
+        Ok(())
+    }
+
+    /// Stores `rows`. When the store refuses the batch as data, splits it in
+    /// halves until each refused row is alone; returns how many rows were
+    /// new and the refused rows, ready for the ingest DLQ.
+    async fn store_rows(
+        &mut self,
+        rows: Vec<InflightActivation>,
+    ) -> Result<(u64, Vec<Invalid>), Stopped> {
+        let mut stored = 0;
+        let mut refused = Vec::new();
+        let mut groups = vec![rows];
+        while let Some(group) = groups.pop() {
+            let group = Arc::new(group);
+            match self.insert_retrying(Arc::clone(&group)).await? {
+                Inserted::Stored(count) => stored += count,
+                Inserted::Rejected(err) => {
+                    // The StoreActor has usually dropped its copy by now;
+                    // cloning is the rare fallback.
+                    let mut group =
+                        Arc::try_unwrap(group).unwrap_or_else(|shared| (*shared).clone());
+                    if group.len() > 1 {
+                        let second = group.split_off(group.len() / 2);
+                        groups.push(second);
+                        groups.push(group);
+                    } else if let Some(row) = group.pop() {
+                        refused.push(Invalid {
+                            position: KafkaPosition {
+                                topic: row.topic,
+                                partition: row.partition,
+                                offset: row.kafka_offset,
+                            },
+                            bytes: row.activation,
+                            original_len: None,
+                            error: ActivationError::StoreRejected(err.to_string()),
+                        });
+                    }
+                }
+            }
+        }
+        Ok((stored, refused))
+    }
+
+    /// One insert, retried with backoff through anything but a refusal of
+    /// the data: offsets never move past rows that are not stored.
+    async fn insert_retrying(
+        &mut self,
+        rows: Arc<Vec<InflightActivation>>,
+    ) -> Result<Inserted, Stopped> {
+        let mut backoff = Backoff::new();
         loop {
-            match self
-                .store
-                .send(InsertBatch {
-                    rows: Arc::clone(&rows),
-                })
-                .await
-            {
-                Ok(Ok(stored)) => return stored,
+            let insert = self.store.send(InsertBatch {
+                rows: Arc::clone(&rows),
+            });
+            let pause = backoff.next();
+            match self.attempt(insert).await.ok_or(Stopped)? {
+                Ok(Ok(stored)) => return Ok(Inserted::Stored(stored)),
+                Ok(Err(err @ StoreError::Rejected { .. })) => {
+                    tracing::warn!(error = %err, rows = rows.len(), "the store refused a consumed batch; isolating the refused rows");
+                    return Ok(Inserted::Rejected(err));
+                }
                 Ok(Err(err)) => {
-                    tracing::warn!(error = %err, rows = rows.len(), "cannot store consumed batch; retrying");
+                    tracing::warn!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
                 }
                 Err(err) => {
-                    tracing::warn!(error = %err, "store actor unreachable; retrying");
+                    tracing::warn!(error = %err, retry_in = ?pause, "store actor unreachable; retrying");
                 }
             }
-            tokio::time::sleep(INSERT_RETRY_PAUSE).await;
+            self.held = true;
+            if !self.wait_polling(pause).await {
+                return Err(Stopped);
+            }
         }
     }
 
-    async fn dead_letter(&self, invalid: Vec<Invalid>) {
-        let sends = invalid.into_iter().map(|record| {
-            let producer = self.dead_letters.clone();
-            let topic = self.config.ingest_dlq_topic.clone();
-            let metrics = Arc::clone(&self.metrics);
-            async move {
-                let reason = record.error.reason();
-                metrics.invalid_records.with_label_values(&[reason]).inc();
-                metrics
-                    .consumer_records
-                    .with_label_values(&["invalid"])
-                    .inc();
-                let position = &record.position;
-                tracing::warn!(
-                    topic = %position.topic,
-                    partition = position.partition,
-                    offset = position.offset,
-                    reason,
-                    error = %record.error,
-                    "invalid activation record; sending it to the ingest dead-letter topic"
-                );
-                let source = format!("{}/{}/{}", position.topic, position.partition, position.offset);
-                let error = record.error.to_string();
-                let headers = OwnedHeaders::new()
-                    .insert(Header {
-                        key: ERROR_HEADER,
-                        value: Some(error.as_str()),
-                    })
-                    .insert(Header {
-                        key: REASON_HEADER,
-                        value: Some(reason),
-                    })
-                    .insert(Header {
-                        key: SOURCE_HEADER,
-                        value: Some(source.as_str()),
-                    });
-                let delivery = producer
-                    .send(
-                        FutureRecord::<(), _>::to(&topic)
-                            .payload(&record.bytes)
-                            .headers(headers),
-                        Timeout::After(Duration::from_secs(5)),
-                    )
-                    .await;
-                let result = if delivery.is_ok() { "ok" } else { "error" };
-                metrics
+    /// Writes every invalid record to the ingest dead-letter topic and
+    /// returns once Kafka acknowledged them all; failed writes are retried
+    /// with backoff, partitions paused, so an offset never moves past a
+    /// record that is neither stored nor dead-lettered.
+    async fn dead_letter(&mut self, invalid: Vec<Invalid>) -> Result<(), Stopped> {
+        for record in &invalid {
+            let reason = record.error.reason();
+            self.metrics
+                .invalid_records
+                .with_label_values(&[reason])
+                .inc();
+            self.metrics
+                .consumer_records
+                .with_label_values(&["invalid"])
+                .inc();
+            let position = &record.position;
+            tracing::warn!(
+                topic = %position.topic,
+                partition = position.partition,
+                offset = position.offset,
+                reason,
+                error = %record.error,
+                "invalid activation record; sending it to the ingest dead-letter topic"
+            );
+        }
+        let mut pending = invalid;
+        let mut backoff = Backoff::new();
+        while !pending.is_empty() {
+            let sends = futures::future::join_all(
+                pending.iter().map(|record| self.send_dead_letter(record)),
+            );
+            let results = self.attempt(sends).await.ok_or(Stopped)?;
+            let mut failed = Vec::new();
+            let mut last_error = None;
+            for (record, result) in pending.into_iter().zip(results) {
+                let label = if result.is_ok() { "ok" } else { "error" };
+                self.metrics
                     .ingest_dead_letters
-                    .with_label_values(&[result])
+                    .with_label_values(&[label])
                     .inc();
-                if let Err((err, _)) = delivery {
-                    tracing::error!(
-                        error = %err,
-                        %source,
-                        "cannot write an invalid record to the ingest dead-letter topic; skipping it"
-                    );
+                if let Err(err) = result {
+                    last_error = Some(err);
+                    failed.push(record);
                 }
             }
-        });
-        futures::future::join_all(sends).await;
+            pending = failed;
+            if let Some(err) = last_error {
+                let pause = backoff.next();
+                tracing::warn!(
+                    error = %err,
+                    records = pending.len(),
+                    topic = %self.config.ingest_dlq_topic,
+                    retry_in = ?pause,
+                    "cannot write invalid records to the ingest dead-letter topic; \
+                     partitions paused until it succeeds"
+                );
+                self.held = true;
+                if !self.wait_polling(pause).await {
+                    return Err(Stopped);
+                }
+            }
+        }
+        Ok(())
     }
 
-    fn commit(&self, offsets: &BTreeMap<(String, i32), i64>, mode: CommitMode) {
+    async fn send_dead_letter(&self, record: &Invalid) -> Result<(), KafkaError> {
+        let position = &record.position;
+        let source = format!(
+            "{}/{}/{}",
+            position.topic, position.partition, position.offset
+        );
+        let error = record.error.to_string();
+        let original_len = record.original_len.map(|len| len.to_string());
+        let mut headers = OwnedHeaders::new()
+            .insert(Header {
+                key: ERROR_HEADER,
+                value: Some(error.as_str()),
+            })
+            .insert(Header {
+                key: REASON_HEADER,
+                value: Some(record.error.reason()),
+            })
+            .insert(Header {
+                key: SOURCE_HEADER,
+                value: Some(source.as_str()),
+            });
+        if let Some(original_len) = &original_len {
+            headers = headers.insert(Header {
+                key: ORIGINAL_BYTES_HEADER,
+                value: Some(original_len.as_str()),
+            });
+        }
+        self.dead_letters
+            .send(
+                FutureRecord::<(), _>::to(&self.config.ingest_dlq_topic)
+                    .payload(&record.bytes)
+                    .headers(headers),
+                Timeout::After(DEAD_LETTER_DELIVERY_TIMEOUT),
+            )
+            .await
+            .map(drop)
+            .map_err(|(err, _)| err)
+    }
+
+    /// Runs one write, unless the consumer is stopping and its grace ran
+    /// out first (`None`).
+    async fn attempt<T>(&self, write: impl Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            biased;
+            result = write => Some(result),
+            () = give_up(self.stop.clone()) => None,
+        }
+    }
+
+    /// Waits `pause` with the partitions paused as the state asks (a held
+    /// flush or a full store), still polling Kafka: rebalances are handled
+    /// and a record fetched before the pause joins the next batch. Returns
+    /// false, at once, when stop is requested.
+    async fn wait_polling(&mut self, pause: Duration) -> bool {
+        if self.stop.borrow().is_some() {
+            return false;
+        }
+        self.update_pause();
+        let until = Instant::now() + pause;
+        loop {
+            tokio::select! {
+                biased;
+                () = stop_requested(&mut self.stop) => return false,
+                Some(event) = self.rebalances.recv() => self.rebalanced(event),
+                () = tokio::time::sleep_until(until) => return true,
+                message = self.consumer.recv() => match message {
+                    Ok(message) => {
+                        let (payload, position) = record_of(&message);
+                        self.read(payload, position);
+                    }
+                    Err(err) => {
+                        self.log_consumer_error(&err);
+                        tokio::time::sleep_until(until.min(Instant::now() + CONSUMER_ERROR_PAUSE)).await;
+                    }
+                },
+            }
+        }
+    }
+
+    /// Commits `offsets` + 1, leaving out partitions revoked since their
+    /// records were read.
+    fn commit(&self, offsets: &BTreeMap<(String, i32), (u64, i64)>, mode: CommitMode) {
         let mut partitions = TopicPartitionList::new();
-        for ((topic, partition), offset) in offsets {
+        let mut revoked = 0;
+        for ((topic, partition), (generation, offset)) in offsets {
+            if self.ownership.generation(topic, *partition) != *generation {
+                revoked += 1;
+                continue;
+            }
             if let Err(err) =
                 partitions.add_partition_offset(topic, *partition, Offset::Offset(offset + 1))
             {
                 tracing::warn!(error = %err, "cannot build the offset commit");
             }
+        }
+        if revoked > 0 {
+            tracing::info!(
+                partitions = revoked,
+                "not committing offsets of partitions revoked since they were read"
+            );
+        }
+        if partitions.count() == 0 {
+            return;
         }
         if let Err(err) = self.consumer.commit(&partitions, mode) {
             tracing::warn!(error = %err, "cannot commit offsets; they are committed with the next batch");
@@ -565,27 +960,44 @@ impl ConsumeLoop {
     }
 
     async fn refresh_inflight(&mut self) {
-        if let Ok(Ok(counts)) = self.store.send(CountByStatus {}).await {
+        let count = self.store.send(CountByStatus {});
+        if let Some(Ok(Ok(counts))) = self.attempt(count).await {
             self.inflight = counts.inflight();
         }
     }
 
-    fn apply_backpressure(&mut self) {
+    /// Pauses at `MAX_INFLIGHT`, resumes below 90 % of it.
+    fn update_backpressure(&mut self) {
         let limit = self.config.max_inflight;
-        if !self.paused && self.inflight >= limit {
+        if !self.full && self.inflight >= limit {
             tracing::info!(
                 inflight = self.inflight,
                 limit,
                 "store full; pausing consumption"
             );
-            self.paused = true;
-            self.pause_assigned();
-        } else if self.paused && self.inflight < limit - limit / 10 {
+            self.full = true;
+        } else if self.full && self.inflight < limit - limit / 10 {
             tracing::info!(
                 inflight = self.inflight,
                 "store drained; resuming consumption"
             );
-            self.paused = false;
+            self.full = false;
+        }
+        self.update_pause();
+    }
+
+    /// Pauses or resumes every assigned partition to match the state, and
+    /// tells the rebalance callback whether to pause new ones.
+    fn update_pause(&mut self) {
+        let hold = self.full || self.held;
+        self.ownership.lock().hold = hold;
+        if hold == self.paused {
+            return;
+        }
+        self.paused = hold;
+        if hold {
+            self.pause_assigned();
+        } else {
             if let Ok(assigned) = self.consumer.assignment()
                 && let Err(err) = self.consumer.resume(&assigned)
             {

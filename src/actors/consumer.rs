@@ -220,7 +220,11 @@ impl Ownership {
     }
 
     fn generation(&self, topic: &str, partition: i32) -> u64 {
-        self.lock()
+        let state = self.lock();
+        if state.revocations.is_empty() {
+            return 0; // never revoked: no key to build per record
+        }
+        state
             .revocations
             .get(&(topic.to_owned(), partition))
             .copied()

@@ -16,6 +16,7 @@ use rdkafka::message::{Headers, Message as _};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::consumer::{
     ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
+    dead_letter_cut,
 };
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
@@ -265,11 +266,14 @@ async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
     assert_eq!(dead.len(), 250);
     let mut by_reason: HashMap<String, usize> = HashMap::new();
-    // Records over MAX_ACTIVATION_BYTES are dead-lettered cut to that size,
-    // with their original size in a header.
+    // Records over MAX_ACTIVATION_BYTES are dead-lettered cut short, with
+    // their original size in a header.
     let expected: HashSet<Vec<u8>> = bad
         .iter()
-        .map(|(_, bytes)| bytes[..bytes.len().min(2048)].to_vec())
+        .map(|(reason, bytes)| match *reason {
+            "too_large" => bytes[..dead_letter_cut(2048)].to_vec(),
+            _ => bytes.clone(),
+        })
         .collect();
     for record in &dead {
         assert!(expected.contains(&payload(record)), "original bytes kept");
@@ -869,8 +873,8 @@ on_both_backends!(
 );
 
 /// Records above librdkafka's default `message.max.bytes` (1,000,000) reach
-/// the ingest DLQ: whole when within MAX_ACTIVATION_BYTES, cut to it (with
-/// the original size in a header) when larger.
+/// the ingest DLQ: whole when within MAX_ACTIVATION_BYTES, cut 4 KiB below
+/// it (with the original size in a header) when larger.
 #[actix_rt::test]
 async fn large_invalid_records_reach_the_ingest_dlq_before_their_offsets_are_committed() {
     let harness = Harness::new().await;
@@ -899,7 +903,7 @@ async fn large_invalid_records_reach_the_ingest_dlq_before_their_offsets_are_com
         .collect();
     assert_eq!(payload(by_reason["undecodable"]), undecodable);
     let cut = by_reason["too_large"];
-    assert_eq!(payload(cut), oversized[..1 << 20].to_vec());
+    assert_eq!(payload(cut), oversized[..(1 << 20) - 4096].to_vec());
     assert_eq!(
         header(cut, ORIGINAL_BYTES_HEADER),
         Some(oversized.len().to_string())

@@ -80,9 +80,21 @@ const DEAD_LETTER_DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
 pub const ERROR_HEADER: &str = "taskbroker-error";
 pub const REASON_HEADER: &str = "taskbroker-error-reason";
 pub const SOURCE_HEADER: &str = "taskbroker-source";
-/// On a dead-letter record cut to `MAX_ACTIVATION_BYTES`: the size of the
-/// original record, which stays in the source topic (see SOURCE_HEADER).
+/// On a dead-letter record cut short (see [`dead_letter_cut`]): the size of
+/// the original record, which stays in the source topic (see SOURCE_HEADER).
 pub const ORIGINAL_BYTES_HEADER: &str = "taskbroker-original-bytes";
+/// Room kept for the dead-letter headers when a record is cut short.
+pub const DEAD_LETTER_HEADER_ROOM: usize = 4096;
+
+/// How many bytes of a record over `max_activation_bytes` go to the ingest
+/// DLQ: with its headers, the dead letter is no larger than the largest
+/// valid activation, so any topic and producer that take activations take
+/// it (half the limit for limits too small to spare the room).
+pub fn dead_letter_cut(max_activation_bytes: usize) -> usize {
+    max_activation_bytes
+        .saturating_sub(DEAD_LETTER_HEADER_ROOM)
+        .max(max_activation_bytes / 2)
+}
 
 /// Settings of the consumer.
 #[derive(Debug, Clone)]
@@ -587,13 +599,13 @@ impl ConsumeLoop {
                 bytes: payload.len(),
                 limit,
             };
-            // The dead-letter producer is sized for MAX_ACTIVATION_BYTES: an
-            // oversized record goes there cut to that size (its full bytes
+            // Producers and topics are sized for MAX_ACTIVATION_BYTES: an
+            // oversized record goes to the DLQ cut short (its full bytes
             // stay in the source topic, named by the source header), so it
             // can never block the partition.
             let original_len = payload.len();
             let mut bytes = payload;
-            bytes.truncate(limit);
+            bytes.truncate(dead_letter_cut(limit));
             batch.invalid.push(Invalid {
                 bytes,
                 original_len: Some(original_len),
@@ -1028,5 +1040,27 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_ceiling() {
+        let mut backoff = Backoff::new();
+        let pauses: Vec<u64> = (0..9).map(|_| backoff.next().as_millis() as u64).collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+    }
+
+    #[test]
+    fn dead_letters_cut_short_leave_room_for_their_headers() {
+        assert_eq!(
+            dead_letter_cut(1 << 20),
+            (1 << 20) - DEAD_LETTER_HEADER_ROOM
+        );
+        // MAX_ACTIVATION_BYTES may be as small as 1 KiB.
+        assert_eq!(dead_letter_cut(1024), 512);
     }
 }

@@ -717,6 +717,9 @@ impl ConsumeLoop {
         if self.inflight < self.config.max_inflight {
             return Ok(());
         }
+        // The local count only grows between reads (rows stored, none
+        // finished): read the store before pausing on it.
+        self.refresh_inflight().await;
         self.update_backpressure();
         while self.full {
             if !self.wait_polling(TICK).await {

@@ -575,7 +575,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 24, "{text}");
+        assert_eq!(families, 25, "{text}");
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
         assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));

@@ -35,24 +35,28 @@
 //! store or Kafka outage cannot hold shutdown up. What could not be stored
 //! or dead-lettered is left uncommitted for the next owner.
 
-use std::collections::{BTreeMap, HashMap};
+mod dead_letter;
+mod rebalance;
+
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
 use futures::FutureExt as _;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
-use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::FutureRecord;
-use rdkafka::util::Timeout;
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use self::dead_letter::{DEAD_LETTER_DELIVERY_TIMEOUT, Invalid};
+pub use self::dead_letter::{
+    DEAD_LETTER_HEADER_ROOM, ERROR_HEADER, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
+    dead_letter_cut,
+};
+use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
 use super::store::{CountByStatus, InsertBatch, StoreActor};
 use crate::activation::{ActivationError, KafkaPosition, inflight_from_record};
@@ -73,29 +77,6 @@ pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// last flush's insert and dead-letter writes) may take before the consumer
 /// gives up on them without committing.
 pub const STOP_GRACE: Duration = Duration::from_secs(1);
-/// How long the dead-letter producer tries to deliver one record before the
-/// attempt counts as failed and is retried.
-const DEAD_LETTER_DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Header names on ingest dead-letter records.
-pub const ERROR_HEADER: &str = "taskbroker-error";
-pub const REASON_HEADER: &str = "taskbroker-error-reason";
-pub const SOURCE_HEADER: &str = "taskbroker-source";
-/// On a dead-letter record cut short (see [`dead_letter_cut`]): the size of
-/// the original record, which stays in the source topic (see SOURCE_HEADER).
-pub const ORIGINAL_BYTES_HEADER: &str = "taskbroker-original-bytes";
-/// Room kept for the dead-letter headers when a record is cut short.
-pub const DEAD_LETTER_HEADER_ROOM: usize = 4096;
-
-/// How many bytes of a record over `max_activation_bytes` go to the ingest
-/// DLQ: with its headers, the dead letter is no larger than the largest
-/// valid activation, so any topic and producer that take activations take
-/// it (half the limit for limits too small to spare the room).
-pub fn dead_letter_cut(max_activation_bytes: usize) -> usize {
-    max_activation_bytes
-        .saturating_sub(DEAD_LETTER_HEADER_ROOM)
-        .max(max_activation_bytes / 2)
-}
-
 /// Settings of the consumer.
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
@@ -198,121 +179,6 @@ impl Handler<StopConsuming> for ConsumerActor {
             let _ = stopped.await;
         })
     }
-}
-
-/// Rebalance events, forwarded from librdkafka's callback to the loop (for
-/// logs and metrics; what must not wait is done in the callback itself).
-#[derive(Debug)]
-enum Rebalanced {
-    Assigned,
-    Revoked,
-}
-
-/// What the rebalance callback changes at once, inside the poll that runs
-/// it, so the loop never commits or fetches on a stale view of its
-/// partitions.
-#[derive(Debug, Default)]
-struct Ownership {
-    state: Mutex<OwnershipState>,
-}
-
-#[derive(Debug, Default)]
-struct OwnershipState {
-    /// How often each partition was revoked from this consumer. Offsets
-    /// read under an earlier count belong to an ownership that ended (the
-    /// partition may have had another owner since) and are never committed.
-    revocations: HashMap<(String, i32), u64>,
-    /// Pause partitions the moment they are assigned.
-    hold: bool,
-}
-
-impl Ownership {
-    fn lock(&self) -> MutexGuard<'_, OwnershipState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn generation(&self, topic: &str, partition: i32) -> u64 {
-        let state = self.lock();
-        if state.revocations.is_empty() {
-            return 0; // never revoked: no key to build per record
-        }
-        state
-            .revocations
-            .get(&(topic.to_owned(), partition))
-            .copied()
-            .unwrap_or(0)
-    }
-
-    fn revoke(&self, partitions: &TopicPartitionList) {
-        let mut state = self.lock();
-        for element in partitions.elements() {
-            *state
-                .revocations
-                .entry((element.topic().to_owned(), element.partition()))
-                .or_default() += 1;
-        }
-    }
-}
-
-struct RebalanceContext {
-    events: mpsc::UnboundedSender<Rebalanced>,
-    ownership: Arc<Ownership>,
-    log: ThrottledLog,
-}
-
-impl ClientContext for RebalanceContext {
-    fn error(&self, error: KafkaError, reason: &str) {
-        self.log.error(error, reason);
-    }
-}
-
-impl ConsumerContext for RebalanceContext {
-    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
-        // Asynchronous commits report here; a failed one is re-covered by the
-        // next batch's commit, or by the partition's next owner re-reading
-        // (inserts are idempotent), but it must not go unseen.
-        if let Err(err) = result {
-            tracing::warn!(error = %err, "Kafka offset commit failed");
-        }
-    }
-
-    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        // Before librdkafka lets the partitions go: from here on, offsets
-        // read from them are not ours to commit.
-        if let Rebalance::Revoke(partitions) = rebalance {
-            self.ownership.revoke(partitions);
-        }
-    }
-
-    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        let event = match rebalance {
-            Rebalance::Assign(partitions) => {
-                // Paused while the store is full or a batch is blocked: a
-                // new assignment must not deliver a record first.
-                if self.ownership.lock().hold
-                    && let Err(err) = consumer.pause(partitions)
-                {
-                    tracing::warn!(error = %err, "cannot pause newly assigned partitions");
-                }
-                Rebalanced::Assigned
-            }
-            Rebalance::Revoke(_) => Rebalanced::Revoked,
-            Rebalance::Error(err) => {
-                tracing::warn!(error = %err, "Kafka rebalance failed");
-                return;
-            }
-        };
-        let _ = self.events.send(event);
-    }
-}
-
-/// A record that is not a valid activation, kept for the ingest DLQ.
-struct Invalid {
-    bytes: Vec<u8>,
-    /// Size of the record as read, when `bytes` holds only its beginning.
-    original_len: Option<usize>,
-    position: KafkaPosition,
-    error: ActivationError,
 }
 
 /// Records read since the last flush.
@@ -832,9 +698,9 @@ impl ConsumeLoop {
         let mut pending = invalid;
         let mut backoff = Backoff::new();
         while !pending.is_empty() {
-            let sends = futures::future::join_all(
-                pending.iter().map(|record| self.send_dead_letter(record)),
-            );
+            let sends = futures::future::join_all(pending.iter().map(|record| {
+                dead_letter::send(&self.dead_letters, &self.config.ingest_dlq_topic, record)
+            }));
             let results = self.attempt(sends).await.ok_or(Stopped)?;
             let mut failed = Vec::new();
             let mut last_error = None;
@@ -867,45 +733,6 @@ impl ConsumeLoop {
             }
         }
         Ok(())
-    }
-
-    async fn send_dead_letter(&self, record: &Invalid) -> Result<(), KafkaError> {
-        let position = &record.position;
-        let source = format!(
-            "{}/{}/{}",
-            position.topic, position.partition, position.offset
-        );
-        let error = record.error.to_string();
-        let original_len = record.original_len.map(|len| len.to_string());
-        let mut headers = OwnedHeaders::new()
-            .insert(Header {
-                key: ERROR_HEADER,
-                value: Some(error.as_str()),
-            })
-            .insert(Header {
-                key: REASON_HEADER,
-                value: Some(record.error.reason()),
-            })
-            .insert(Header {
-                key: SOURCE_HEADER,
-                value: Some(source.as_str()),
-            });
-        if let Some(original_len) = &original_len {
-            headers = headers.insert(Header {
-                key: ORIGINAL_BYTES_HEADER,
-                value: Some(original_len.as_str()),
-            });
-        }
-        self.dead_letters
-            .send(
-                FutureRecord::<(), _>::to(&self.config.ingest_dlq_topic)
-                    .payload(&record.bytes)
-                    .headers(headers),
-                Timeout::After(DEAD_LETTER_DELIVERY_TIMEOUT),
-            )
-            .await
-            .map(drop)
-            .map_err(|(err, _)| err)
     }
 
     /// Runs one write, unless the consumer is stopping and its grace ran
@@ -1055,15 +882,5 @@ mod tests {
         let mut backoff = Backoff::new();
         let pauses: Vec<u64> = (0..9).map(|_| backoff.next().as_millis() as u64).collect();
         assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
-    }
-
-    #[test]
-    fn dead_letters_cut_short_leave_room_for_their_headers() {
-        assert_eq!(
-            dead_letter_cut(1 << 20),
-            (1 << 20) - DEAD_LETTER_HEADER_ROOM
-        );
-        // MAX_ACTIVATION_BYTES may be as small as 1 KiB.
-        assert_eq!(dead_letter_cut(1024), 512);
     }
 }

@@ -689,14 +689,15 @@ async fn stopping_during_a_database_outage_ends_in_time_without_committing_unsto
     let unstored = matrix.produce("outage-b", 50).await;
     let failing = Arc::clone(&metrics);
     wait_until(
-        "the consumer's inserts fail",
+        "the consumer's inserts fail and its partitions are paused",
         Duration::from_secs(30),
         || {
             let failed = failing
                 .store_errors
                 .with_label_values(&["insert_batch", "unavailable"])
                 .get();
-            async move { failed >= 2 }
+            let paused = failing.partitions_paused.get();
+            async move { failed >= 2 && paused == 4 }
         },
     )
     .await;

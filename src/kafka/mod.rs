@@ -169,6 +169,18 @@ mod tests {
     }
 
     #[test]
+    fn librdkafka_accepts_the_sizes_of_every_allowed_max_activation_bytes() {
+        // MAX_ACTIVATION_BYTES is validated to 1 KiB ..= 64 MiB.
+        for max_activation_bytes in [1024, 1 << 20, 64 << 20] {
+            let mut settings = settings(&[]);
+            settings.max_activation_bytes = max_activation_bytes;
+            if let Err(err) = settings.create_producer(Duration::from_secs(5)) {
+                panic!("{max_activation_bytes}: {err}");
+            }
+        }
+    }
+
+    #[test]
     fn kafka_config_may_size_producers_itself() {
         let producer =
             settings(&[("message.max.bytes", "5000000")]).producer(Duration::from_secs(5));

@@ -21,7 +21,10 @@ pub enum ActivationError {
     EmptyId,
     #[error("unknown on_attempts_exceeded value {0}")]
     UnknownOnAttemptsExceeded(i32),
-    #[error("received_at is not a valid timestamp ({seconds}s, {nanos}ns)")]
+    #[error(
+        "received_at ({seconds}s, {nanos}ns) is not a valid timestamp between \
+         1970-01-01T00:00:00Z and 9999-12-31T23:59:59Z"
+    )]
     InvalidReceivedAt { seconds: i64, nanos: i32 },
     #[error("{field} of {value} seconds is out of range")]
     OutOfRange { field: &'static str, value: u64 },
@@ -32,6 +35,10 @@ pub enum ActivationError {
         field: &'static str,
         problem: TextProblem,
     },
+    /// Decoded fine, but the store refused the row (`StoreError::Rejected`):
+    /// the defence behind the checks above, for whatever they miss.
+    #[error("the store refused the activation: {0}")]
+    StoreRejected(String),
 }
 
 /// Longest activation id either store accepts, in bytes. Ids are UUIDs in
@@ -41,6 +48,24 @@ pub enum ActivationError {
 pub const MAX_ID_BYTES: usize = 256;
 /// Longest namespace, application or task name, in bytes (same reasons).
 pub const MAX_NAME_BYTES: usize = 256;
+
+/// Earliest timestamp the broker stores: the Unix epoch. Both stores and
+/// `chrono` accept far more (PostgreSQL from 4713 BC, SQLite's microsecond
+/// integers about ±292,000 years); one documented range that every consumer
+/// of the table (psql, the dead-letter tooling, other languages' clients)
+/// can handle keeps hostile values out.
+pub const MIN_TIMESTAMP_SECS: i64 = 0;
+/// Latest timestamp the broker stores: 9999-12-31T23:59:59Z.
+pub const MAX_TIMESTAMP_SECS: i64 = 253_402_300_799;
+
+/// Whether `at` lies in the stored range, 1970-01-01T00:00:00Z ..=
+/// 9999-12-31T23:59:59Z.
+pub fn timestamp_in_range(at: DateTime<Utc>) -> bool {
+    let secs = at.timestamp();
+    secs >= MIN_TIMESTAMP_SECS
+        && (secs < MAX_TIMESTAMP_SECS
+            || (secs == MAX_TIMESTAMP_SECS && at.timestamp_subsec_nanos() == 0))
+}
 
 /// What is wrong with a text field from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -81,6 +106,7 @@ impl ActivationError {
             ActivationError::OutOfRange { .. } => "out_of_range",
             ActivationError::TooLarge { .. } => "too_large",
             ActivationError::InvalidText { .. } => "invalid_text",
+            ActivationError::StoreRejected(_) => "store_rejected",
         }
     }
 }
@@ -113,6 +139,15 @@ pub fn inflight_from_record(
     if activation.id.is_empty() {
         return Err(ActivationError::EmptyId);
     }
+    // Everything a store indexes or keeps as TEXT: PostgreSQL refuses a NUL
+    // character and index entries past its B-tree limit, and either refusal
+    // would fail the whole insert batch.
+    check_text("id", &activation.id, MAX_ID_BYTES)?;
+    check_text("namespace", &activation.namespace, MAX_NAME_BYTES)?;
+    check_text("taskname", &activation.taskname, MAX_NAME_BYTES)?;
+    if let Some(application) = &activation.application {
+        check_text("application", application, MAX_NAME_BYTES)?;
+    }
     let retry_state = activation.retry_state.unwrap_or_default();
     let on_attempts_exceeded = OnAttemptsExceeded::from_i32(retry_state.on_attempts_exceeded)
         .ok_or(ActivationError::UnknownOnAttemptsExceeded(
@@ -121,11 +156,19 @@ pub fn inflight_from_record(
     let received_at = match &activation.received_at {
         None => now,
         Some(ts) => {
-            DateTime::from_timestamp(ts.seconds, u32::try_from(ts.nanos).unwrap_or(u32::MAX))
-                .ok_or(ActivationError::InvalidReceivedAt {
-                    seconds: ts.seconds,
-                    nanos: ts.nanos,
-                })?
+            let invalid = ActivationError::InvalidReceivedAt {
+                seconds: ts.seconds,
+                nanos: ts.nanos,
+            };
+            // chrono reads nanos of 1e9 and more as a leap second; the wire
+            // format (google.protobuf.Timestamp) does not allow them.
+            let nanos = u32::try_from(ts.nanos)
+                .ok()
+                .filter(|nanos| *nanos < 1_000_000_000)
+                .ok_or_else(|| invalid.clone())?;
+            DateTime::from_timestamp(ts.seconds, nanos)
+                .filter(|at| timestamp_in_range(*at))
+                .ok_or(invalid)?
         }
     };
     let expires_at = activation
@@ -148,6 +191,13 @@ pub fn inflight_from_record(
             field: "processing_deadline_duration",
             value: activation.processing_deadline_duration,
         })?;
+    // The broker later stores a processing deadline of about now + this
+    // duration (+ grace): refuse here what could not be stored then.
+    add_seconds(
+        now,
+        "processing_deadline_duration",
+        activation.processing_deadline_duration,
+    )?;
     Ok(InflightActivation {
         bucket: bucket_for_id(&activation.id),
         activation: bytes.to_vec(),
@@ -172,6 +222,7 @@ pub fn inflight_from_record(
     })
 }
 
+/// `base` + `secs`, refused when the sum leaves the stored range.
 fn add_seconds(
     base: DateTime<Utc>,
     field: &'static str,
@@ -181,6 +232,7 @@ fn add_seconds(
         .ok()
         .and_then(TimeDelta::try_seconds)
         .and_then(|delta| base.checked_add_signed(delta))
+        .filter(|at| timestamp_in_range(*at))
         .ok_or(ActivationError::OutOfRange { field, value: secs })
 }
 
@@ -402,6 +454,95 @@ mod tests {
             err.to_string(),
             "id is 257 bytes long, more than the 256-byte limit"
         );
+    }
+
+    #[test]
+    fn text_fields_a_store_would_refuse_are_invalid() {
+        let err = |activation: TaskActivation| {
+            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY)
+                .unwrap_err()
+        };
+        let mut nul_namespace = base_activation();
+        nul_namespace.namespace = "ns\0x".into();
+        assert_eq!(
+            err(nul_namespace),
+            ActivationError::InvalidText {
+                field: "namespace",
+                problem: TextProblem::Nul
+            }
+        );
+        let mut nul_application = base_activation();
+        nul_application.application = Some("\0".into());
+        assert_eq!(err(nul_application).reason(), "invalid_text");
+        let mut nul_taskname = base_activation();
+        nul_taskname.taskname = "a\0".into();
+        assert_eq!(err(nul_taskname).reason(), "invalid_text");
+        let mut long_id = base_activation();
+        long_id.id = "x".repeat(MAX_ID_BYTES + 1);
+        assert!(matches!(
+            err(long_id),
+            ActivationError::InvalidText {
+                field: "id",
+                problem: TextProblem::TooLong { .. }
+            }
+        ));
+        let mut long_name = base_activation();
+        long_name.taskname = "t".repeat(MAX_NAME_BYTES + 1);
+        assert_eq!(err(long_name).reason(), "invalid_text");
+
+        let mut at_the_limits = base_activation();
+        at_the_limits.id = "i".repeat(MAX_ID_BYTES);
+        at_the_limits.namespace = "n".repeat(MAX_NAME_BYTES);
+        at_the_limits.application = Some("a".repeat(MAX_NAME_BYTES));
+        at_the_limits.taskname = "t".repeat(MAX_NAME_BYTES);
+        assert!(
+            inflight_from_record(&at_the_limits.encode_to_vec(), position(), now(), MAX_DELAY)
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn timestamps_outside_the_stored_range_are_invalid() {
+        let decode = |activation: TaskActivation| {
+            inflight_from_record(&activation.encode_to_vec(), position(), now(), MAX_DELAY)
+        };
+        let received = |seconds: i64, nanos: i32| {
+            let mut activation = base_activation();
+            activation.received_at = Some(Timestamp { seconds, nanos });
+            activation
+        };
+        for (seconds, nanos) in [
+            (-1, 0),
+            (MAX_TIMESTAMP_SECS, 1),
+            (MAX_TIMESTAMP_SECS + 1, 0),
+            (1_700_000_000, 1_500_000_000), // a leap second to chrono
+            (1_700_000_000, -1),
+        ] {
+            assert_eq!(
+                decode(received(seconds, nanos)).unwrap_err().reason(),
+                "invalid_timestamp",
+                "{seconds}s {nanos}ns"
+            );
+        }
+        assert!(decode(received(MIN_TIMESTAMP_SECS, 0)).is_ok());
+        let latest = decode(received(MAX_TIMESTAMP_SECS, 0)).unwrap();
+        assert_eq!(latest.received_at.to_rfc3339(), "9999-12-31T23:59:59+00:00");
+
+        let mut late_expiry = received(MAX_TIMESTAMP_SECS - 10, 0);
+        late_expiry.expires = Some(11);
+        assert_eq!(
+            decode(late_expiry).unwrap_err(),
+            ActivationError::OutOfRange {
+                field: "expires",
+                value: 11
+            }
+        );
+        let mut late_delay = received(MAX_TIMESTAMP_SECS - 10, 0);
+        late_delay.delay = Some(11);
+        assert_eq!(decode(late_delay).unwrap_err().reason(), "out_of_range");
+        let mut expiry_at_the_limit = received(MAX_TIMESTAMP_SECS - 10, 0);
+        expiry_at_the_limit.expires = Some(10);
+        assert!(decode(expiry_at_the_limit).is_ok());
     }
 
     #[test]

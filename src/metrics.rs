@@ -56,6 +56,9 @@ pub struct Metrics {
     pub consumer_assignments: IntCounter,
     /// Partitions paused for backpressure.
     pub partitions_paused: IntGauge,
+    /// Records read from Kafka whose offsets are not committed yet (the
+    /// batch being built and the one being written).
+    pub consumer_pending_records: IntGauge,
     /// Completed upkeep cycles.
     pub upkeep_cycles: IntCounter,
     /// Upkeep step durations, by step.
@@ -119,6 +122,7 @@ pub mod labels {
         "out_of_range",
         "too_large",
         "invalid_text",
+        "store_rejected",
     ];
     /// Kafka writes: `taskbroker_ingest_dead_letters_total{result}` and the
     /// `result` of `taskbroker_published_total`.
@@ -212,7 +216,7 @@ pub mod labels {
     /// The `kind` of `taskbroker_store_operation_errors_total`: what
     /// `StoreError::kind` answers for a running operation (migration and
     /// configuration errors only happen at startup, outside these metrics).
-    pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "query", "invalid_row"];
+    pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "rejected", "query", "invalid_row"];
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -346,7 +350,12 @@ impl Metrics {
         );
         let partitions_paused = IntGauge::new(
             "taskbroker_consumer_partitions_paused",
-            "Kafka partitions paused because the store holds MAX_INFLIGHT rows.",
+            "Kafka partitions paused: the store holds MAX_INFLIGHT rows, or a batch waits for the store or the ingest dead-letter topic.",
+        )
+        .expect("valid metric definition");
+        let consumer_pending_records = IntGauge::new(
+            "taskbroker_consumer_pending_records",
+            "Records read from Kafka and not yet stored (or dead-lettered) and committed.",
         )
         .expect("valid metric definition");
         let upkeep_cycles = counter("taskbroker_upkeep_cycles_total", "Completed upkeep cycles.");
@@ -395,6 +404,7 @@ impl Metrics {
             Box::new(partitions_assigned.clone()),
             Box::new(consumer_assignments.clone()),
             Box::new(partitions_paused.clone()),
+            Box::new(consumer_pending_records.clone()),
             Box::new(upkeep_cycles.clone()),
             Box::new(upkeep_duration.clone()),
             Box::new(upkeep_transitions.clone()),
@@ -446,6 +456,7 @@ impl Metrics {
             partitions_assigned,
             consumer_assignments,
             partitions_paused,
+            consumer_pending_records,
             upkeep_cycles,
             upkeep_duration,
             upkeep_transitions,
@@ -600,7 +611,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 26, "{text}");
+        assert_eq!(families, 27, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

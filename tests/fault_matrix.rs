@@ -645,3 +645,82 @@ async fn push_pool_saturated_for_a_long_stretch() {
     assert_eq!(Metrics::count(&metrics.claims_released, "lease_expired"), 0);
     broker.stop().await;
 }
+
+/// PostgreSQL refuses every connection while records wait to be inserted,
+/// and the broker is stopped: the insert retries give up within the
+/// shutdown timeout instead of holding shutdown up, and the offsets of the
+/// records that were never stored stay uncommitted for the next owner.
+#[actix_rt::test]
+async fn stopping_during_a_database_outage_ends_in_time_without_committing_unstored_records() {
+    let matrix = Matrix::new(1).await;
+    let shutdown_timeout = Duration::from_secs(5);
+    let (broker, metrics) =
+        matrix.start_broker(matrix.grpc_port, &[("SHUTDOWN_TIMEOUT_MS", "5000")]);
+    let ids = matrix.produce("outage-a", 100).await;
+    matrix
+        .wait_until_all_done(&ids, Duration::from_secs(60))
+        .await;
+    let ends = matrix.kafka.end_offsets(TOPIC, 4);
+    wait_until(
+        "the stored records are committed",
+        Duration::from_secs(30),
+        || {
+            let done = matrix.kafka.committed("taskbroker", TOPIC, 4) == ends;
+            async move { done }
+        },
+    )
+    .await;
+
+    // The outage: no new connection is accepted, existing ones are cut.
+    let admin = common::connect(&common::admin_url()).await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS false",
+            matrix.db.name
+        ))
+        .await
+        .expect("refuse connections");
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&matrix.db.name],
+        )
+        .await
+        .expect("terminate backends");
+    let unstored = matrix.produce("outage-b", 50).await;
+    let failing = Arc::clone(&metrics);
+    wait_until(
+        "the consumer's inserts fail and its partitions are paused",
+        Duration::from_secs(30),
+        || {
+            let failed = failing
+                .store_errors
+                .with_label_values(&["insert_batch", "unavailable"])
+                .get();
+            let paused = failing.partitions_paused.get();
+            async move { failed >= 2 && paused == 4 }
+        },
+    )
+    .await;
+
+    let stopped = tokio::time::timeout(shutdown_timeout, broker.stop()).await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+            matrix.db.name
+        ))
+        .await
+        .expect("accept connections again");
+    assert!(
+        stopped.is_ok(),
+        "Broker::stop took longer than the shutdown timeout"
+    );
+    assert_eq!(
+        matrix.kafka.committed("taskbroker", TOPIC, 4),
+        ends,
+        "offsets of the {} records that were never stored stay uncommitted",
+        unstored.len()
+    );
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 100);
+}

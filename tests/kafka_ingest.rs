@@ -14,7 +14,10 @@ use common::{Backend, TestStore, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
 use taskbroker::actors::StoreActor;
-use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig, REASON_HEADER, StopConsuming};
+use taskbroker::actors::consumer::{
+    ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
+    dead_letter_cut,
+};
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::actors::upkeep::{UpkeepActor, UpkeepConfig};
@@ -112,6 +115,16 @@ fn activation(id: String) -> TaskActivation {
         application: Some("app".to_owned()),
         ..Default::default()
     }
+}
+
+/// The value of header `key` on a record, as text.
+fn header(record: &rdkafka::message::OwnedMessage, key: &str) -> Option<String> {
+    record
+        .headers()?
+        .iter()
+        .find(|header| header.key == key)
+        .and_then(|header| header.value)
+        .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
 fn valid_payloads(prefix: &str, n: usize) -> Vec<Vec<u8>> {
@@ -253,16 +266,27 @@ async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
     assert_eq!(dead.len(), 250);
     let mut by_reason: HashMap<String, usize> = HashMap::new();
-    let expected: HashSet<Vec<u8>> = bad.iter().map(|(_, bytes)| bytes.clone()).collect();
+    // Records over MAX_ACTIVATION_BYTES are dead-lettered cut short, with
+    // their original size in a header.
+    let expected: HashSet<Vec<u8>> = bad
+        .iter()
+        .map(|(reason, bytes)| match *reason {
+            "too_large" => bytes[..dead_letter_cut(2048)].to_vec(),
+            _ => bytes.clone(),
+        })
+        .collect();
     for record in &dead {
         assert!(expected.contains(&payload(record)), "original bytes kept");
-        let headers = record.headers().expect("error headers");
-        let reason = headers
-            .iter()
-            .find(|header| header.key == REASON_HEADER)
-            .and_then(|header| header.value)
-            .map(|value| String::from_utf8_lossy(value).into_owned())
-            .expect("reason header");
+        let reason = header(record, REASON_HEADER).expect("reason header");
+        if reason == "too_large" {
+            let original: usize = header(record, ORIGINAL_BYTES_HEADER)
+                .expect("original size header")
+                .parse()
+                .expect("a size");
+            assert!(original > 4096, "{original}");
+        } else {
+            assert_eq!(header(record, ORIGINAL_BYTES_HEADER), None);
+        }
         *by_reason.entry(reason).or_default() += 1;
     }
     assert!(by_reason.values().all(|&n| n == 50), "{by_reason:?}");
@@ -661,4 +685,404 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+}
+
+// ------------------------------------------------ issue 13: ingest never stalls
+
+/// Waits until `group` committed exactly the end offsets of `TOPIC`.
+async fn wait_for_commits_to_the_end(harness: &Harness) {
+    let ends = harness.kafka.end_offsets(TOPIC, PARTITIONS);
+    wait_until(
+        "committed offsets reach the end offsets",
+        Duration::from_secs(30),
+        || {
+            let done = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS) == ends;
+            async move { done }
+        },
+    )
+    .await;
+}
+
+/// `n` records, round robin over the partitions by key, so every partition
+/// holds some of `bad` among good records.
+fn mixed_with(bad: &[Vec<u8>], prefix: &str, good: usize) -> Vec<Vec<u8>> {
+    let mut good = valid_payloads(prefix, good).into_iter();
+    let mut mixed = Vec::new();
+    for bytes in bad {
+        mixed.extend(good.by_ref().take(7));
+        mixed.push(bytes.clone());
+    }
+    mixed.extend(good);
+    mixed
+}
+
+/// Reasons of the ingest DLQ's records, counted.
+fn dead_letter_reasons(harness: &Harness) -> HashMap<String, usize> {
+    let total: i64 = harness.kafka.end_offsets(INGEST_DLQ, 1).iter().sum();
+    let mut reasons = HashMap::new();
+    if total == 0 {
+        return reasons;
+    }
+    for record in harness.kafka.read_all(INGEST_DLQ, 1) {
+        let reason = header(&record, REASON_HEADER).expect("reason header");
+        *reasons.entry(reason).or_default() += 1;
+    }
+    reasons
+}
+
+/// The original stall: records that decode but that PostgreSQL refuses (a
+/// NUL in a name, an id past the index limit, timestamps out of range) used
+/// to fail their whole insert batch forever. They are invalid at decode now.
+async fn records_a_store_would_refuse_are_dead_lettered_and_the_rest_stored(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let mut bad = Vec::new();
+    let mut nul = activation("nul-namespace".to_owned());
+    nul.namespace = "ingest\0".to_owned();
+    bad.push(nul.encode_to_vec());
+    let mut nul_task = activation("nul-taskname".to_owned());
+    nul_task.taskname = "a\0b".to_owned();
+    bad.push(nul_task.encode_to_vec());
+    bad.push(activation("x".repeat(3_000)).encode_to_vec());
+    let mut future = activation("year-10000".to_owned());
+    future.received_at = Some(prost_types::Timestamp {
+        seconds: 253_402_300_800,
+        nanos: 0,
+    });
+    bad.push(future.encode_to_vec());
+    let mut past = activation("before-1970".to_owned());
+    past.received_at = Some(prost_types::Timestamp {
+        seconds: -86_400,
+        nanos: 0,
+    });
+    bad.push(past.encode_to_vec());
+    let mut far_expiry = activation("far-expiry".to_owned());
+    far_expiry.expires = Some(400_000_000_000);
+    bad.push(far_expiry.encode_to_vec());
+    // Invalid UTF-8 in a string field: prost refuses it at decode.
+    let mut utf8 = activation("bad-utf8".to_owned()).encode_to_vec();
+    let at = utf8
+        .windows(b"ingest".len())
+        .position(|window| window == b"ingest")
+        .expect("the namespace is in the encoding");
+    utf8[at] = 0xff;
+    bad.push(utf8);
+
+    harness
+        .kafka
+        .produce(TOPIC, &mixed_with(&bad, "nul", 200))
+        .await;
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    harness.wait_for_total(200).await;
+    wait_for_commits_to_the_end(&harness).await;
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 7);
+    let reasons = dead_letter_reasons(&harness);
+    let expected: HashMap<String, usize> = [
+        ("invalid_text", 3),
+        ("invalid_timestamp", 2),
+        ("out_of_range", 1),
+        ("undecodable", 1),
+    ]
+    .into_iter()
+    .map(|(reason, n)| (reason.to_owned(), n))
+    .collect();
+    assert_eq!(reasons, expected);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 200);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "invalid"), 7);
+}
+
+/// Makes the test's store refuse rows whose task name is `poison`, as a
+/// store refuses data the decode checks did not foresee: a CHECK constraint
+/// in PostgreSQL, an aborting trigger (SQLITE_CONSTRAINT) in SQLite.
+async fn refuse_poison_tasks(db: &TestStore) {
+    match db {
+        TestStore::Postgres(db) => {
+            db.client()
+                .await
+                .batch_execute(
+                    "ALTER TABLE inflight_taskactivations \
+                     ADD CONSTRAINT test_refuses_poison CHECK (taskname <> 'poison')",
+                )
+                .await
+                .expect("add the constraint");
+        }
+        TestStore::Sqlite(db) => {
+            let connection = rusqlite::Connection::open(&db.path).expect("open the SQLite file");
+            connection
+                .execute_batch(
+                    "CREATE TRIGGER test_refuses_poison BEFORE INSERT ON inflight_taskactivations \
+                     WHEN NEW.taskname = 'poison' BEGIN SELECT RAISE(ABORT, 'poison'); END;",
+                )
+                .expect("add the trigger");
+        }
+    }
+}
+
+/// Defence in depth: a row that passes decoding but that the store refuses
+/// is isolated by splitting its batch; the good rows are stored, the
+/// refused one is dead-lettered, and the offsets move on.
+async fn rows_the_store_refuses_are_isolated_and_dead_lettered(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    refuse_poison_tasks(&harness.db).await;
+    let poison: Vec<Vec<u8>> = (0..3)
+        .map(|i| {
+            let mut task = activation(format!("poison-{i}"));
+            task.taskname = "poison".to_owned();
+            task.encode_to_vec()
+        })
+        .collect();
+    harness
+        .kafka
+        .produce(TOPIC, &mixed_with(&poison, "fine", 300))
+        .await;
+    let mut config = harness.consumer_config();
+    config.batch_max_wait = Duration::from_millis(200); // batches mix both
+    let (_consumer, metrics) = harness.consume(config);
+    harness.wait_for_total(300).await;
+    wait_for_commits_to_the_end(&harness).await;
+    assert_eq!(
+        Metrics::count(&metrics.invalid_records, "store_rejected"),
+        3
+    );
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 3);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 300);
+    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+    let dead = harness.kafka.read_all(INGEST_DLQ, 1);
+    let dead_ids: HashSet<String> = dead
+        .iter()
+        .map(|record| {
+            TaskActivation::decode(payload(record).as_slice())
+                .expect("original bytes")
+                .id
+        })
+        .collect();
+    assert_eq!(
+        dead_ids,
+        HashSet::from(["poison-0".into(), "poison-1".into(), "poison-2".into()])
+    );
+    for record in &dead {
+        assert_eq!(
+            header(record, REASON_HEADER).as_deref(),
+            Some("store_rejected")
+        );
+    }
+}
+
+on_both_backends!(
+    records_a_store_would_refuse_are_dead_lettered_and_the_rest_stored,
+    rows_the_store_refuses_are_isolated_and_dead_lettered,
+);
+
+/// Records above librdkafka's default `message.max.bytes` (1,000,000) reach
+/// the ingest DLQ: whole when within MAX_ACTIVATION_BYTES, cut 4 KiB below
+/// it (with the original size in a header) when larger.
+#[actix_rt::test]
+async fn large_invalid_records_reach_the_ingest_dlq_before_their_offsets_are_committed() {
+    let harness = Harness::new().await;
+    let config = harness.consumer_config();
+    assert_eq!(config.max_activation_bytes, 1 << 20);
+    let undecodable = vec![0xff; 1_040_000]; // under MAX_ACTIVATION_BYTES
+    let mut oversized = activation("oversized".to_owned());
+    oversized.parameters_bytes = vec![7; 1_200_000];
+    let oversized = oversized.encode_to_vec();
+    harness
+        .kafka
+        .produce(
+            TOPIC,
+            &mixed_with(&[undecodable.clone(), oversized.clone()], "big", 20),
+        )
+        .await;
+    let (_consumer, metrics) = harness.consume(config);
+    harness.wait_for_total(20).await;
+    wait_for_commits_to_the_end(&harness).await;
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 2);
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "error"), 0);
+    let dead = harness.kafka.read_all(INGEST_DLQ, 1);
+    let by_reason: HashMap<String, &rdkafka::message::OwnedMessage> = dead
+        .iter()
+        .map(|record| (header(record, REASON_HEADER).expect("reason"), record))
+        .collect();
+    assert_eq!(payload(by_reason["undecodable"]), undecodable);
+    let cut = by_reason["too_large"];
+    assert_eq!(payload(cut), oversized[..(1 << 20) - 4096].to_vec());
+    assert_eq!(
+        header(cut, ORIGINAL_BYTES_HEADER),
+        Some(oversized.len().to_string())
+    );
+}
+
+/// While the ingest DLQ refuses writes, no offset moves past the invalid
+/// record and the partitions stay paused; once it accepts them, the
+/// records are dead-lettered and the offsets move on.
+#[actix_rt::test]
+async fn an_unwritable_ingest_dlq_pauses_the_partitions_and_commits_nothing() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let harness = Harness::new().await;
+    harness
+        .kafka
+        .produce(
+            TOPIC,
+            &mixed_with(&[vec![0xff, 0xff, 0xff]], "dlq-down", 40),
+        )
+        .await;
+    // Every produce request from here on fails (authorization errors are
+    // not retried inside librdkafka): the DLQ is unwritable.
+    harness.kafka.cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 100_000],
+    );
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    let watched = Arc::clone(&metrics);
+    wait_until(
+        "the dead-letter write failed twice and the partitions are paused",
+        Duration::from_secs(30),
+        || {
+            let failed = Metrics::count(&watched.ingest_dead_letters, "error");
+            let paused = watched.partitions_paused.get();
+            async move { failed >= 2 && paused == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
+    // Batches written before the invalid record was read may have committed
+    // their partitions; its own partition never moves past it.
+    let invalid = harness
+        .kafka
+        .read_all(TOPIC, PARTITIONS)
+        .into_iter()
+        .find(|record| payload(record) == [0xff, 0xff, 0xff])
+        .expect("the invalid record is on the topic");
+    let committed = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS);
+    assert!(
+        committed[invalid.partition() as usize] <= invalid.offset(),
+        "committed {committed:?} past the record at {}/{} that is not dead-lettered",
+        invalid.partition(),
+        invalid.offset()
+    );
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 0);
+
+    harness
+        .kafka
+        .cluster
+        .clear_request_errors(RDKafkaApiKey::Produce);
+    wait_for_commits_to_the_end(&harness).await;
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 1);
+    assert_eq!(dead_letter_reasons(&harness)["undecodable"], 1);
+    assert_eq!(metrics.partitions_paused.get(), 0);
+    // Consumption goes on.
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("after", 10))
+        .await;
+    harness.wait_for_total(50).await;
+}
+
+/// A broker restarted on a store already holding MAX_INFLIGHT rows pauses
+/// before inserting anything, and never holds more than the limit plus one
+/// batch while it drains.
+#[actix_rt::test]
+async fn a_consumer_started_on_a_full_store_inserts_nothing_until_it_drains() {
+    let harness = Harness::new().await;
+    let mut config = harness.consumer_config();
+    config.max_inflight = 500;
+    config.batch_size = 100;
+    let limit = config.max_inflight + config.batch_size as u64;
+    common::insert(harness.store.as_ref(), &common::rows("old", 500)).await;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("new", 300))
+        .await;
+    let (_consumer, metrics) = harness.consume(config);
+    let paused = Arc::clone(&metrics);
+    wait_until(
+        "the consumer pauses its partitions",
+        Duration::from_secs(30),
+        || {
+            let paused = paused.partitions_paused.get();
+            async move { paused == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
+    assert_eq!(
+        harness.total().await,
+        500,
+        "nothing inserted into a full store"
+    );
+    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 0);
+
+    let client = harness.db.client().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while Metrics::count(&metrics.consumer_records, "stored") < 300 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumption did not resume"
+        );
+        let total = harness.total().await;
+        assert!(total <= limit, "{total} rows in the store, limit {limit}");
+        if metrics.partitions_paused.get() > 0 {
+            client
+                .execute(
+                    "DELETE FROM inflight_taskactivations WHERE id IN \
+                     (SELECT id FROM inflight_taskactivations LIMIT 100)",
+                    &[],
+                )
+                .await
+                .expect("drain rows");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A batch read before a rebalance and written after it commits no offset
+/// for the partitions this consumer lost: their new owner has not
+/// committed, so any commit seen there came from the old owner.
+#[actix_rt::test]
+async fn a_batch_pending_across_a_rebalance_commits_only_partitions_still_owned() {
+    let harness = Harness::new().await;
+    harness
+        .kafka
+        .produce(TOPIC, &valid_payloads("revoke", 400))
+        .await;
+    let mut config = harness.consumer_config();
+    // Batches are written only when a consumer stops.
+    config.batch_size = 1_000_000;
+    config.batch_max_wait = Duration::from_secs(3600);
+    config.kafka.properties = vec![
+        ("session.timeout.ms".to_owned(), "6000".to_owned()),
+        ("heartbeat.interval.ms".to_owned(), "500".to_owned()),
+    ];
+    let (first, first_metrics) = harness.consume(config.clone());
+    let pending = Arc::clone(&first_metrics);
+    wait_until(
+        "the first consumer read every record",
+        Duration::from_secs(30),
+        || {
+            let read = pending.consumer_pending_records.get();
+            async move { read == 400 }
+        },
+    )
+    .await;
+    let (_second, second_metrics) = harness.consume(config);
+    wait_until(
+        "the partitions are split between both consumers",
+        Duration::from_secs(30),
+        || {
+            let (a, b) = (
+                first_metrics.partitions_assigned.get(),
+                second_metrics.partitions_assigned.get(),
+            );
+            async move { a > 0 && b > 0 && a + b == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
+    let lost = second_metrics.partitions_assigned.get() as usize;
+    first
+        .send(StopConsuming)
+        .await
+        .expect("first consumer stops");
+    assert_eq!(harness.total().await, 400, "the pending batch was stored");
+    let committed = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS);
+    let uncommitted = committed.iter().filter(|offset| **offset == -1).count();
+    assert!(
+        uncommitted >= lost,
+        "the first consumer committed partitions it no longer owned: {committed:?}"
+    );
 }

@@ -135,7 +135,7 @@ async fn a_failing_operation_rolls_back_alone_within_a_group_commit() {
     for (i, result) in results.iter().enumerate() {
         if i == 7 {
             assert!(
-                matches!(result, Err(StoreError::Query { .. })),
+                matches!(result, Err(StoreError::Rejected { .. })),
                 "bad batch: {result:?}"
             );
         } else {

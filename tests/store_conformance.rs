@@ -14,7 +14,8 @@ use prost::Message;
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{
     ActivationStatus, ActivationStore, BucketRange, ClaimToken, InflightActivation,
-    OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate, StatusUpdateOutcome, WorkerStatus,
+    OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate, StatusUpdateOutcome, StoreError,
+    WorkerStatus,
 };
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -54,6 +55,8 @@ conformance!(
     insert_is_idempotent_and_counts_new_rows,
     insert_keeps_every_column,
     empty_batches_are_noops,
+    insert_of_a_row_the_store_refuses_is_rejected_and_stores_nothing,
+    text_only_one_store_refuses_is_rejected_there_not_unavailable,
     claim_returns_oldest_first_with_the_stored_expiry,
     claim_only_takes_its_bucket_range,
     claim_skips_expired_and_non_pending_rows,
@@ -174,6 +177,55 @@ async fn insert_keeps_every_column(store: Store) {
     insert(store.as_ref(), std::slice::from_ref(&original)).await;
     assert_eq!(fetch(&store, "full").await, original);
     assert_eq!(original.status, ActivationStatus::Delay);
+}
+
+async fn insert_of_a_row_the_store_refuses_is_rejected_and_stores_nothing(store: Store) {
+    // A row built by hand past the decode checks: both schemas refuse a
+    // bucket outside 0..=255 with a CHECK constraint.
+    let mut batch = rows("refused", 5);
+    batch[2].bucket = 999;
+    let err = store.insert_batch(&batch).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Rejected {
+                operation: "insert_batch",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(err.kind(), "rejected");
+    assert!(!err.is_unavailable(), "retrying cannot help");
+    assert_eq!(store.count_by_status().await.unwrap().total(), 0);
+    // The good rows alone go in.
+    batch.remove(2);
+    assert_eq!(store.insert_batch(&batch).await.unwrap(), 4);
+}
+
+async fn text_only_one_store_refuses_is_rejected_there_not_unavailable(store: Store) {
+    // PostgreSQL cannot keep a NUL character in TEXT (SQLSTATE 22021) and
+    // refuses an index entry over its B-tree limit (54000); SQLite keeps
+    // both. Decoding refuses both long before (activation::check_text);
+    // this is the defence behind it.
+    let mut nul = row("nul-namespace");
+    nul.namespace = "ns\0with-nul".to_owned();
+    // Varied text, so compression cannot shrink the key under the limit.
+    let long_id: String = (0..3_000u32)
+        .map(|i| char::from(b'!' + ((i.wrapping_mul(7919) ^ (i >> 3)) % 90) as u8))
+        .collect();
+    let mut long = row("long-id");
+    long.id = long_id;
+    for refused in [nul, long] {
+        let result = store.insert_batch(std::slice::from_ref(&refused)).await;
+        match store.backend() {
+            "postgres" => assert!(
+                matches!(result, Err(StoreError::Rejected { .. })),
+                "{result:?}"
+            ),
+            _ => assert_eq!(result, Ok(1)),
+        }
+    }
 }
 
 async fn empty_batches_are_noops(store: Store) {

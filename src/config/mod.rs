@@ -332,7 +332,7 @@ pub const SETTINGS: &[Setting] = &[
             min: 1024,
             max: 67_108_864,
         },
-        description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic.",
+        description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic, cut 4 KiB below this size. Every producer accepts records of this size plus 64 KiB (`message.max.bytes`) unless `KAFKA_CONFIG` sets it.",
         secret: false,
     },
     Setting {

@@ -4,6 +4,10 @@
 //! committed by hand, only after the rows they cover are stored, so
 //! `enable.auto.commit` and `enable.auto.offset.store` are always off.
 //! Everything else (SASL, TLS, timeouts) can be added with `KAFKA_CONFIG`.
+//!
+//! Producers are sized for the records they carry: librdkafka's default
+//! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
+//! (1 MiB), and a record it refuses is never written.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,13 +25,20 @@ pub struct KafkaSettings {
     pub brokers: String,
     /// Extra librdkafka properties (`KAFKA_CONFIG`), applied last.
     pub properties: Vec<(String, String)>,
+    /// `MAX_ACTIVATION_BYTES`: the largest activation any producer writes.
+    pub max_activation_bytes: usize,
 }
+
+/// Room on top of an activation for a record's key, headers (the ingest
+/// dead-letter headers carry an error message) and protocol framing.
+pub const PRODUCER_HEADROOM_BYTES: usize = 64 * 1024;
 
 impl KafkaSettings {
     pub fn from_config(config: &Config) -> Self {
         KafkaSettings {
             brokers: config.kafka_brokers.clone(),
             properties: config.kafka_config.clone(),
+            max_activation_bytes: config.max_activation_bytes,
         }
     }
 
@@ -54,7 +65,9 @@ impl KafkaSettings {
 
     /// A producer whose deliveries fail after `delivery_timeout` instead of
     /// librdkafka's default five minutes, so callers learn of an outage in
-    /// time to keep their rows for the next attempt.
+    /// time to keep their rows for the next attempt. It accepts records of
+    /// `MAX_ACTIVATION_BYTES` plus [`PRODUCER_HEADROOM_BYTES`], unless
+    /// `KAFKA_CONFIG` sets `message.max.bytes` itself.
     pub fn producer(&self, delivery_timeout: Duration) -> ClientConfig {
         let mut client = self.base();
         client
@@ -63,7 +76,24 @@ impl KafkaSettings {
                 delivery_timeout.as_millis().to_string(),
             )
             .set("acks", "all");
+        if !self
+            .properties
+            .iter()
+            .any(|(key, _)| key == "message.max.bytes")
+        {
+            client.set(
+                "message.max.bytes",
+                self.max_producer_record_bytes().to_string(),
+            );
+        }
         client
+    }
+
+    /// The largest record (payload, key and headers) producers are sized
+    /// for by default.
+    pub fn max_producer_record_bytes(&self) -> usize {
+        self.max_activation_bytes
+            .saturating_add(PRODUCER_HEADROOM_BYTES)
     }
 }
 
@@ -111,5 +141,49 @@ impl KafkaSettings {
     pub fn create_producer(&self, delivery_timeout: Duration) -> Result<Producer, KafkaError> {
         self.producer(delivery_timeout)
             .create_with_context(ThrottledLog::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(properties: &[(&str, &str)]) -> KafkaSettings {
+        KafkaSettings {
+            brokers: "localhost:9092".to_owned(),
+            properties: properties
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect(),
+            max_activation_bytes: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn producers_are_sized_from_max_activation_bytes() {
+        let producer = settings(&[]).producer(Duration::from_secs(5));
+        assert_eq!(
+            producer.get("message.max.bytes"),
+            Some((1_048_576 + 65_536).to_string().as_str())
+        );
+    }
+
+    #[test]
+    fn librdkafka_accepts_the_sizes_of_every_allowed_max_activation_bytes() {
+        // MAX_ACTIVATION_BYTES is validated to 1 KiB ..= 64 MiB.
+        for max_activation_bytes in [1024, 1 << 20, 64 << 20] {
+            let mut settings = settings(&[]);
+            settings.max_activation_bytes = max_activation_bytes;
+            if let Err(err) = settings.create_producer(Duration::from_secs(5)) {
+                panic!("{max_activation_bytes}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn kafka_config_may_size_producers_itself() {
+        let producer =
+            settings(&[("message.max.bytes", "5000000")]).producer(Duration::from_secs(5));
+        assert_eq!(producer.get("message.max.bytes"), Some("5000000"));
     }
 }

@@ -25,11 +25,22 @@ use async_trait::async_trait;
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// Errors a caller can branch on: `Unavailable` is retryable (the database
-/// went away or the pool is exhausted); the others are not.
+/// went away, the pool is exhausted, a transaction lost a serialization race
+/// or a deadlock); `Rejected` means the database refused the data itself,
+/// so the same rows fail again however often they are retried; the others
+/// are not retryable either.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     #[error("store unavailable during {operation}: {message}")]
     Unavailable {
+        operation: &'static str,
+        message: String,
+    },
+    /// The data was refused (a value out of range or not representable, a
+    /// constraint, an index entry too large): PostgreSQL's SQLSTATE classes
+    /// 22, 23 and 54; SQLite's TOOBIG, CONSTRAINT, MISMATCH and RANGE.
+    #[error("store refused the data of {operation}: {message}")]
+    Rejected {
         operation: &'static str,
         message: String,
     },
@@ -59,6 +70,7 @@ impl StoreError {
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Unavailable { .. } => "unavailable",
+            StoreError::Rejected { .. } => "rejected",
             StoreError::Query { .. } => "query",
             StoreError::InvalidRow { .. } => "invalid_row",
             StoreError::Migration(_) => "migration",

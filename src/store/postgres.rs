@@ -126,8 +126,9 @@ fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> StoreResult<P
         .map_err(|err| StoreError::Config(format!("cannot build connection pool: {err}")))
 }
 
-/// Connection-level failures are retryable (`Unavailable`); anything the
-/// server rejected about the statement itself is not.
+/// Connection-level failures are retryable (`Unavailable`); data the server
+/// refused is `Rejected`; anything else it rejected about the statement
+/// itself is a `Query` error.
 fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreError {
     let unavailable = match err.code() {
         Some(code) => {
@@ -150,12 +151,22 @@ fn query_error(operation: &'static str, err: tokio_postgres::Error) -> StoreErro
                 || std::error::Error::source(&err).is_some_and(|s| s.is::<std::io::Error>())
         }
     };
+    // Data exception, integrity constraint violation, program limit
+    // exceeded (e.g. 54000, an index row too large): the rows themselves are
+    // at fault and fail the same way on every retry.
+    let rejected = err.code().is_some_and(|code| {
+        ["22", "23", "54"]
+            .iter()
+            .any(|class| code.code().starts_with(class))
+    });
     let message = match err.as_db_error() {
         Some(db) => format!("{}: {}", db.code().code(), db.message()),
         None => describe(&err),
     };
     if unavailable {
         StoreError::Unavailable { operation, message }
+    } else if rejected {
+        StoreError::Rejected { operation, message }
     } else {
         StoreError::Query { operation, message }
     }

@@ -459,7 +459,8 @@ impl ReaderPool {
 }
 
 /// Lock contention and I/O trouble (disk full, file gone) may pass:
-/// `Unavailable`. A statement SQLite rejects is a `Query` error.
+/// `Unavailable`. Data SQLite refuses is `Rejected`; any other statement it
+/// rejects is a `Query` error.
 fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreError {
     let unavailable = matches!(
         err.sqlite_error_code(),
@@ -472,9 +473,22 @@ fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreError {
                 | ErrorCode::OutOfMemory
         )
     );
+    // The rows themselves are at fault: a value too big, a constraint, a
+    // type mismatch, a parameter out of range. Retrying cannot help.
+    let rejected = matches!(
+        err.sqlite_error_code(),
+        Some(
+            ErrorCode::TooBig
+                | ErrorCode::ConstraintViolation
+                | ErrorCode::TypeMismatch
+                | ErrorCode::ParameterOutOfRange
+        )
+    );
     let message = err.to_string();
     if unavailable {
         StoreError::Unavailable { operation, message }
+    } else if rejected {
+        StoreError::Rejected { operation, message }
     } else {
         StoreError::Query { operation, message }
     }

@@ -31,6 +31,7 @@ impl MockKafka {
         KafkaSettings {
             brokers: self.bootstrap(),
             properties: Vec::new(),
+            max_activation_bytes: 1 << 20,
         }
     }
 
@@ -44,6 +45,8 @@ impl MockKafka {
         ClientConfig::new()
             .set("bootstrap.servers", self.bootstrap())
             .set("message.timeout.ms", "10000")
+            // Tests produce records larger than MAX_ACTIVATION_BYTES.
+            .set("message.max.bytes", "16000000")
             .create()
             .expect("producer")
     }

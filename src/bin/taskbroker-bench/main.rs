@@ -382,6 +382,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     let kafka = KafkaSettings {
         brokers: cluster.bootstrap_servers(),
         properties: Vec::new(),
+        max_activation_bytes: 1 << 20,
     };
     let producer = kafka
         .create_producer(Duration::from_secs(30))

@@ -527,12 +527,30 @@ impl ConsumeLoop {
 
     async fn write(&mut self, batch: Batch, mode: CommitMode) -> Flushed {
         let Batch {
-            rows,
+            mut rows,
             mut invalid,
             expired,
             offsets,
             ..
         } = batch;
+        // Records of partitions that went to another consumer since they
+        // were read are left to it: it reads them again from the last
+        // committed offset. Storing them here as well could let this broker
+        // run and remove a task that the new owner then stores again.
+        let gone: Vec<&(String, i32)> = offsets
+            .iter()
+            .filter(|((topic, partition), (read_under, _))| {
+                self.ownership.generation(topic, *partition) != *read_under
+            })
+            .map(|(key, _)| key)
+            .collect();
+        if !gone.is_empty() {
+            let kept = |topic: &str, partition: i32| {
+                !gone.iter().any(|(t, p)| *p == partition && t == topic)
+            };
+            rows.retain(|row| kept(&row.topic, row.partition));
+            invalid.retain(|record| kept(&record.position.topic, record.position.partition));
+        }
         let read = rows.len() as u64;
         let mut stored = 0;
         if !rows.is_empty() {
@@ -567,6 +585,7 @@ impl ConsumeLoop {
             tracing::warn!("test switch: stopping between insert and commit");
             return Flushed::Crashed;
         }
+        self.ownership.settled(&offsets);
         self.commit(&offsets, mode);
         if stored > 0 {
             for fetcher in &self.wake {

@@ -4,10 +4,11 @@
 //! offsets of revoked ones) is done right there, not when the loop gets to
 //! the event.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::Offset;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::mpsc;
@@ -36,6 +37,15 @@ pub(super) struct OwnershipState {
     /// read under an earlier count belong to an ownership that ended (the
     /// partition may have had another owner since) and are never committed.
     revocations: HashMap<(String, i32), u64>,
+    /// Partitions revoked in the rebalance under way. One that comes straight
+    /// back to this consumer in the same rebalance had no other owner in
+    /// between (it was unassigned), so its ownership never really ended.
+    just_revoked: HashSet<(String, i32)>,
+    /// Per partition: the generation and highest offset of records already
+    /// stored (or dead-lettered) under it. Committed synchronously when the
+    /// partition is revoked, before librdkafka lets it go, so its next owner
+    /// starts after them even when the asynchronous commit has not landed.
+    settled: HashMap<(String, i32), (u64, i64)>,
     /// Pause partitions the moment they are assigned.
     pub(super) hold: bool,
 }
@@ -57,14 +67,72 @@ impl Ownership {
             .unwrap_or(0)
     }
 
+    /// Records the batch's offsets as settled (stored or dead-lettered),
+    /// for partitions still held under the generation they were read in.
+    pub(super) fn settled(&self, offsets: &BTreeMap<(String, i32), (u64, i64)>) {
+        let mut state = self.lock();
+        for (key, &(generation, offset)) in offsets {
+            let current = state.revocations.get(key).copied().unwrap_or(0);
+            if current != generation {
+                continue;
+            }
+            state
+                .settled
+                .entry(key.clone())
+                .and_modify(|entry| {
+                    if entry.0 == generation {
+                        entry.1 = entry.1.max(offset);
+                    } else {
+                        *entry = (generation, offset);
+                    }
+                })
+                .or_insert((generation, offset));
+        }
+    }
+
+    /// Takes the settled offsets of `partitions` that belong to their
+    /// current generation, as the commit to make before letting them go.
+    fn take_settled(&self, partitions: &TopicPartitionList) -> TopicPartitionList {
+        let mut state = self.lock();
+        let mut commit = TopicPartitionList::new();
+        for element in partitions.elements() {
+            let key = (element.topic().to_owned(), element.partition());
+            let current = state.revocations.get(&key).copied().unwrap_or(0);
+            if let Some((generation, offset)) = state.settled.remove(&key)
+                && generation == current
+                && let Err(err) =
+                    commit.add_partition_offset(&key.0, key.1, Offset::Offset(offset + 1))
+            {
+                tracing::warn!(error = %err, "cannot build the offset commit");
+            }
+        }
+        commit
+    }
+
     fn revoke(&self, partitions: &TopicPartitionList) {
         let mut state = self.lock();
         for element in partitions.elements() {
-            *state
-                .revocations
-                .entry((element.topic().to_owned(), element.partition()))
-                .or_default() += 1;
+            let key = (element.topic().to_owned(), element.partition());
+            *state.revocations.entry(key.clone()).or_default() += 1;
+            state.just_revoked.insert(key);
         }
+    }
+
+    /// A partition revoked and assigned back within one rebalance keeps its
+    /// generation: what was read from it before may still be committed (an
+    /// eager rebalance revokes every partition, and most come back).
+    /// Partitions revoked and not assigned back belong to another consumer.
+    fn assign(&self, partitions: &TopicPartitionList) {
+        let mut state = self.lock();
+        for element in partitions.elements() {
+            let key = (element.topic().to_owned(), element.partition());
+            if state.just_revoked.remove(&key)
+                && let Some(count) = state.revocations.get_mut(&key)
+            {
+                *count = count.saturating_sub(1);
+            }
+        }
+        state.just_revoked.clear();
     }
 }
 
@@ -90,10 +158,19 @@ impl ConsumerContext for RebalanceContext {
         }
     }
 
-    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        // Before librdkafka lets the partitions go: from here on, offsets
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // Before librdkafka lets the partitions go: commit what this
+        // consumer already stored from them (an asynchronous commit may not
+        // have landed, and the next owner would read, and run, those tasks
+        // again once they are finished and removed); from here on, offsets
         // read from them are not ours to commit.
         if let Rebalance::Revoke(partitions) = rebalance {
+            let settled = self.ownership.take_settled(partitions);
+            if settled.count() > 0
+                && let Err(err) = consumer.commit(&settled, CommitMode::Sync)
+            {
+                tracing::warn!(error = %err, "cannot commit stored offsets of revoked partitions; their next owner reads those records again");
+            }
             self.ownership.revoke(partitions);
         }
     }
@@ -101,6 +178,7 @@ impl ConsumerContext for RebalanceContext {
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let event = match rebalance {
             Rebalance::Assign(partitions) => {
+                self.ownership.assign(partitions);
                 // Paused while the store is full or a batch is blocked: a
                 // new assignment must not deliver a record first.
                 if self.ownership.lock().hold
@@ -135,5 +213,63 @@ mod tests {
         assert_eq!(ownership.generation("tasks", 0), 2);
         assert_eq!(ownership.generation("tasks", 1), 0);
         assert_eq!(ownership.generation("other", 0), 0);
+    }
+
+    #[test]
+    fn stored_offsets_are_handed_over_once_when_their_partition_is_revoked() {
+        let ownership = Ownership::default();
+        let offsets: BTreeMap<(String, i32), (u64, i64)> = [
+            (("tasks".to_owned(), 0), (0, 41)),
+            (("tasks".to_owned(), 1), (0, 7)),
+        ]
+        .into();
+        ownership.settled(&offsets);
+        let mut first = TopicPartitionList::new();
+        first.add_partition("tasks", 0);
+        let commit = ownership.take_settled(&first);
+        let element = commit.find_partition("tasks", 0).expect("partition 0");
+        assert_eq!(
+            element.offset(),
+            Offset::Offset(42),
+            "the next offset to read"
+        );
+        assert_eq!(commit.count(), 1, "only the revoked partition");
+        assert_eq!(ownership.take_settled(&first).count(), 0, "taken once");
+        // Offsets recorded under a generation that has since ended are
+        // never handed over.
+        let mut second = TopicPartitionList::new();
+        second.add_partition("tasks", 1);
+        ownership.revoke(&second);
+        ownership.assign(&TopicPartitionList::new());
+        assert_eq!(ownership.take_settled(&second).count(), 0);
+    }
+
+    #[test]
+    fn a_partition_assigned_straight_back_keeps_its_generation() {
+        let ownership = Ownership::default();
+        let mut both = TopicPartitionList::new();
+        both.add_partition("tasks", 0);
+        both.add_partition("tasks", 1);
+        // An eager rebalance: both revoked, only partition 0 comes back.
+        ownership.revoke(&both);
+        let mut back = TopicPartitionList::new();
+        back.add_partition("tasks", 0);
+        ownership.assign(&back);
+        assert_eq!(
+            ownership.generation("tasks", 0),
+            0,
+            "never left this consumer"
+        );
+        assert_eq!(
+            ownership.generation("tasks", 1),
+            1,
+            "went to another consumer"
+        );
+        // Partition 1 assigned back in a later rebalance: someone else may
+        // have owned it meanwhile, so the old generation stays ended.
+        let mut later = TopicPartitionList::new();
+        later.add_partition("tasks", 1);
+        ownership.assign(&later);
+        assert_eq!(ownership.generation("tasks", 1), 1);
     }
 }

@@ -170,6 +170,11 @@ impl ConsumerConfig {
             batch_max_wait: config.insert_batch_max_wait,
             max_inflight: config.max_inflight as u64,
             max_delay: config.max_delay,
+            // The consumer stops first; after it the push pipeline needs
+            // about one push timeout to end its pushes and release claims.
+            // Half of what is left keeps the whole stop inside
+            // SHUTDOWN_TIMEOUT_MS even when the database is gone.
+            stop_grace: config.shutdown_timeout.saturating_sub(config.push_timeout) / 2,
             max_activation_bytes: config.max_activation_bytes,
             crash_before_commit_after: None,
         }

@@ -96,7 +96,14 @@ fn assert_no_errors_or_panics() {
 /// and its statement takes a moment.
 const LEASE_SLACK_MS: i64 = 2_000;
 
+/// Scenarios running at once. Each runs up to three brokers, a mock Kafka
+/// cluster and workers; all seven at once on two cores starve the timers
+/// their bounds (lease slack, backoff rates) are measured against.
+static SCENARIO_SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
 struct Matrix {
+    /// Held for the scenario's whole run (see [`SCENARIO_SLOTS`]).
+    _slot: tokio::sync::SemaphorePermit<'static>,
     db: TestDb,
     kafka: MockKafka,
     ledger: Arc<Ledger>,
@@ -107,6 +114,10 @@ struct Matrix {
 
 impl Matrix {
     async fn new(workers: usize) -> Matrix {
+        let slot = SCENARIO_SLOTS
+            .acquire()
+            .await
+            .expect("the scenario semaphore is never closed");
         watch_logs_and_panics();
         let db = TestDb::new().await;
         let store: Arc<dyn ActivationStore> = db.store().await;
@@ -131,6 +142,7 @@ impl Matrix {
             );
         }
         Matrix {
+            _slot: slot,
             db,
             kafka,
             ledger,

@@ -73,6 +73,7 @@ impl Harness {
             max_delay: Duration::from_secs(3600),
             max_activation_bytes: 1 << 20,
             crash_before_commit_after: None,
+            stop_grace: taskbroker::actors::consumer::MIN_STOP_GRACE,
         }
     }
 

@@ -855,6 +855,7 @@ fn ingest(harness: &Harness, topic: &str) -> (Addr<ConsumerActor>, Arc<Metrics>)
         max_delay: Duration::from_secs(3600),
         max_activation_bytes: 1 << 20,
         crash_before_commit_after: None,
+        stop_grace: taskbroker::actors::consumer::MIN_STOP_GRACE,
     };
     let actor = ConsumerActor::new(
         config,

@@ -31,7 +31,7 @@
 //! membership and rebalances stay alive.
 //!
 //! Stopping: what was read is stored and committed; once stop is requested a
-//! write gets [`STOP_GRACE`] more to finish, and nothing is retried, so a
+//! write gets `stop_grace` more to finish, and nothing is retried, so a
 //! store or Kafka outage cannot hold shutdown up. What could not be stored
 //! or dead-lettered is left uncommitted for the next owner.
 
@@ -73,10 +73,8 @@ const CONSUMER_ERROR_PAUSE: Duration = Duration::from_millis(200);
 pub const RETRY_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest pause between retries; the backoff doubles up to it.
 pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// Once stop is requested, how much longer a write already running (or the
-/// last flush's insert and dead-letter writes) may take before the consumer
-/// gives up on them without committing.
-pub const STOP_GRACE: Duration = Duration::from_secs(1);
+/// The least `stop_grace` a consumer gets.
+pub const MIN_STOP_GRACE: Duration = Duration::from_secs(1);
 /// Settings of the consumer.
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
@@ -94,6 +92,13 @@ pub struct ConsumerConfig {
     /// Test-only switch: after this many stored batches the loop stops
     /// without committing, as if the process died between insert and commit.
     pub crash_before_commit_after: Option<u64>,
+    /// Once stop is requested, how much longer the last writes (the batch
+    /// being inserted, the final flush's insert and dead-letter writes) may
+    /// take before the consumer gives up on them without committing: long
+    /// enough for a slow but healthy database, short enough that an outage
+    /// cannot hold shutdown past `SHUTDOWN_TIMEOUT_MS` (see
+    /// `ConsumerConfig::from_config`).
+    pub stop_grace: Duration,
 }
 
 /// Stop consuming: flush and commit what was read, then stop. Resolves when
@@ -168,9 +173,10 @@ impl Handler<StopConsuming> for ConsumerActor {
 
     fn handle(&mut self, _: StopConsuming, _ctx: &mut Self::Context) -> Self::Result {
         // The first request fixes the deadline; later ones do not extend it.
+        let grace = self.config.stop_grace.max(MIN_STOP_GRACE);
         self.stop.send_if_modified(|stop| {
             let first = stop.is_none();
-            stop.get_or_insert_with(|| Instant::now() + STOP_GRACE);
+            stop.get_or_insert_with(|| Instant::now() + grace);
             first
         });
         let (done, stopped) = oneshot::channel();

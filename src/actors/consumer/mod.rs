@@ -293,6 +293,14 @@ struct ConsumeLoop {
     batches_stored: u64,
 }
 
+impl Drop for ConsumeLoop {
+    fn drop(&mut self) {
+        // Runs before the consumer field is dropped (and closed): the
+        // revocation that closing triggers must not commit from inside it.
+        self.ownership.closing();
+    }
+}
+
 impl ConsumeLoop {
     fn start(
         config: ConsumerConfig,

@@ -46,6 +46,9 @@ pub(super) struct OwnershipState {
     /// partition is revoked, before librdkafka lets it go, so its next owner
     /// starts after them even when the asynchronous commit has not landed.
     settled: HashMap<(String, i32), (u64, i64)>,
+    /// The consumer is being closed: its last flush already committed, and a
+    /// synchronous commit from inside librdkafka's close would wait forever.
+    closing: bool,
     /// Pause partitions the moment they are assigned.
     pub(super) hold: bool,
 }
@@ -90,11 +93,21 @@ impl Ownership {
         }
     }
 
+    /// Called before the consumer is dropped (see `closing`).
+    pub(super) fn closing(&self) {
+        let mut state = self.lock();
+        state.closing = true;
+        state.settled.clear();
+    }
+
     /// Takes the settled offsets of `partitions` that belong to their
     /// current generation, as the commit to make before letting them go.
     fn take_settled(&self, partitions: &TopicPartitionList) -> TopicPartitionList {
         let mut state = self.lock();
         let mut commit = TopicPartitionList::new();
+        if state.closing {
+            return commit;
+        }
         for element in partitions.elements() {
             let key = (element.topic().to_owned(), element.partition());
             let current = state.revocations.get(&key).copied().unwrap_or(0);

@@ -172,15 +172,17 @@ impl ConsumerContext for RebalanceContext {
     }
 
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        // Before librdkafka lets the partitions go: commit what this
-        // consumer already stored from them (an asynchronous commit may not
-        // have landed, and the next owner would read, and run, those tasks
-        // again once they are finished and removed); from here on, offsets
-        // read from them are not ours to commit.
+        // Before librdkafka lets the partitions go: commit again what this
+        // consumer already stored from them (the commit after their batch
+        // may not have landed, and the next owner would read, and run, those
+        // tasks again once they are finished and removed). Queued, not
+        // waited for: a synchronous commit from inside the rebalance
+        // callback can wait forever. From here on, offsets read from them
+        // are not ours to commit.
         if let Rebalance::Revoke(partitions) = rebalance {
             let settled = self.ownership.take_settled(partitions);
             if settled.count() > 0
-                && let Err(err) = consumer.commit(&settled, CommitMode::Sync)
+                && let Err(err) = consumer.commit(&settled, CommitMode::Async)
             {
                 tracing::warn!(error = %err, "cannot commit stored offsets of revoked partitions; their next owner reads those records again");
             }

@@ -61,20 +61,7 @@ impl Harness {
     }
 
     fn consumer_config(&self) -> ConsumerConfig {
-        ConsumerConfig {
-            kafka: self.kafka.settings(),
-            topic: TOPIC.to_owned(),
-            group: "taskbroker".to_owned(),
-            auto_offset_reset: "earliest".to_owned(),
-            ingest_dlq_topic: INGEST_DLQ.to_owned(),
-            batch_size: 256,
-            batch_max_wait: Duration::from_millis(20),
-            max_inflight: 1_000_000,
-            max_delay: Duration::from_secs(3600),
-            max_activation_bytes: 1 << 20,
-            crash_before_commit_after: None,
-            stop_grace: taskbroker::actors::consumer::MIN_STOP_GRACE,
-        }
+        self.kafka.consumer_config(TOPIC, "taskbroker", INGEST_DLQ)
     }
 
     /// A consumer with its own metrics.

@@ -17,7 +17,7 @@ use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
 use taskbroker::actors::StoreActor;
-use taskbroker::actors::consumer::{ConsumerActor, ConsumerConfig};
+use taskbroker::actors::consumer::ConsumerActor;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
@@ -843,20 +843,7 @@ async fn a_step_cut_short_by_its_budget_shows_a_backlog() {
 fn ingest(harness: &Harness, topic: &str) -> (Addr<ConsumerActor>, Arc<Metrics>) {
     harness.kafka.create_topic("ingest-dlq", 1);
     let metrics = Arc::new(Metrics::new());
-    let config = ConsumerConfig {
-        kafka: harness.kafka.settings(),
-        topic: topic.to_owned(),
-        group: "ingest".to_owned(),
-        auto_offset_reset: "earliest".to_owned(),
-        ingest_dlq_topic: "ingest-dlq".to_owned(),
-        batch_size: 256,
-        batch_max_wait: Duration::from_millis(20),
-        max_inflight: 1_000_000,
-        max_delay: Duration::from_secs(3600),
-        max_activation_bytes: 1 << 20,
-        crash_before_commit_after: None,
-        stop_grace: taskbroker::actors::consumer::MIN_STOP_GRACE,
-    };
+    let config = harness.kafka.consumer_config(topic, "ingest", "ingest-dlq");
     let actor = ConsumerActor::new(
         config,
         harness.store_actor.clone(),

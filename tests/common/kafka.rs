@@ -9,6 +9,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use taskbroker::actors::consumer::{ConsumerConfig, MIN_STOP_GRACE};
 use taskbroker::kafka::KafkaSettings;
 
 pub struct MockKafka {
@@ -25,6 +26,25 @@ impl MockKafka {
 
     pub fn bootstrap(&self) -> String {
         self.cluster.bootstrap_servers()
+    }
+
+    /// A consumer of `topic` in `group` on this cluster, with the settings
+    /// the ingest tests start from (earliest offsets, no backpressure).
+    pub fn consumer_config(&self, topic: &str, group: &str, ingest_dlq: &str) -> ConsumerConfig {
+        ConsumerConfig {
+            kafka: self.settings(),
+            topic: topic.to_owned(),
+            group: group.to_owned(),
+            auto_offset_reset: "earliest".to_owned(),
+            ingest_dlq_topic: ingest_dlq.to_owned(),
+            batch_size: 256,
+            batch_max_wait: Duration::from_millis(20),
+            max_inflight: 1_000_000,
+            max_delay: Duration::from_secs(3600),
+            max_activation_bytes: 1 << 20,
+            crash_before_commit_after: None,
+            stop_grace: MIN_STOP_GRACE,
+        }
     }
 
     pub fn settings(&self) -> KafkaSettings {

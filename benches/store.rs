@@ -21,7 +21,7 @@ use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
 use prost::Message;
-use taskbroker::activation::{KafkaPosition, inflight_from_record};
+use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
     ActivationStore, BucketRange, ClaimToken, InflightActivation, PostgresStore,
@@ -172,7 +172,7 @@ async fn claim_push_complete(store: &dyn ActivationStore, batch: usize) {
     assert_eq!(claimed.len(), batch, "the bench prepared too few rows");
     let tokens: Vec<ClaimToken> = claimed
         .iter()
-        .filter_map(InflightActivation::claim_token)
+        .map(|claimed| claimed.token.clone())
         .collect();
     let processing = store
         .mark_processing(&tokens, DEADLINE_GRACE)
@@ -181,7 +181,7 @@ async fn claim_push_complete(store: &dyn ActivationStore, batch: usize) {
     assert_eq!(processing.len(), batch);
     let updates: Vec<StatusUpdate> = claimed
         .into_iter()
-        .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))
+        .map(|row| StatusUpdate::new(row.activation.id, WorkerStatus::Complete))
         .collect();
     let outcome = store.set_status(&updates).await.expect("complete");
     assert_eq!(outcome.updated, batch as u64);

@@ -26,7 +26,8 @@ use crate::actors::{FetchActor, PushPoolActor, StoreActor};
 use crate::config::{Config, DeliveryMode};
 use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
-use crate::store::{ActivationStore, BucketRange};
+use crate::model::BucketRange;
+use crate::store::ActivationStore;
 
 /// What a push pipeline needs from the configuration.
 #[derive(Debug, Clone)]

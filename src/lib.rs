@@ -1,9 +1,9 @@
 //! taskbroker: consumes task activations from Kafka, keeps each in-flight
 //! activation in a SQL store, delivers it to workers over gRPC and tracks its
 //! outcome. See DESIGN.md for the architecture; dependencies point one way:
-//! `actors` → `store` → (`activation`, `proto`), and `config` is a leaf.
+//! `broker` → `actors` → `store` → `model` → `proto`; `config` and
+//! `metrics` are leaves that import nothing of the crate.
 
-pub mod activation;
 pub mod actors;
 pub mod broker;
 pub mod config;
@@ -12,7 +12,9 @@ pub mod grpc;
 pub mod http;
 pub mod kafka;
 pub mod metrics;
+pub mod model;
 pub mod store;
+pub mod wire;
 
 pub mod proto {
     //! Generated from `proto/sentry_protos/taskbroker/v1/taskbroker.proto`.

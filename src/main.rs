@@ -210,7 +210,7 @@ async fn run(config: Config) -> Result<(), String> {
     let broker = Broker::start(&config, store, Arc::clone(&metrics), &host_name())?;
     match broker.store.send(CountByStatus {}).await {
         Ok(Ok(counts)) => {
-            metrics.set_status_counts(&counts);
+            metrics.set_status_counts(counts.by_status());
             tracing::info!(inflight = counts.inflight(), "store ready");
         }
         Ok(Err(err)) => tracing::warn!(error = %err, "store not answering yet"),

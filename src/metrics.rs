@@ -1,6 +1,9 @@
 //! Prometheus metrics, prefix `taskbroker_`. Each broker (and each test) owns
 //! its own [`Metrics`] and registry, so nothing is global and tests can read
 //! exact values. Label values are bounded: operations, statuses, reasons.
+//!
+//! A leaf: it imports nothing of the crate, so every layer can record into
+//! it. Callers hand it label names and numbers, not their own types.
 
 use std::time::Duration;
 
@@ -8,8 +11,6 @@ use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
-
-use crate::store::{ActivationStatus, StatusCounts, StoreError};
 
 pub struct Metrics {
     registry: Registry,
@@ -217,6 +218,20 @@ pub mod labels {
     /// `StoreError::kind` answers for a running operation (migration and
     /// configuration errors only happen at startup, outside these metrics).
     pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "rejected", "query", "invalid_row"];
+    /// The `status` of `taskbroker_activations`: every lifecycle status by
+    /// its stored name (a test keeps it equal to `ActivationStatus::ALL`).
+    pub const ACTIVATION_STATUSES: &[&str] = &[
+        "Pending",
+        "Delay",
+        "Claimed",
+        "Processing",
+        "Retry",
+        "Failure",
+        "Complete",
+    ];
+    /// The `result` of a status write's `status="any"` series, in the order
+    /// [`Metrics::record_status_outcome`] takes them.
+    pub const STATUS_RESULTS: [&str; 4] = ["updated", "ignored", "missing", "late"];
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -506,20 +521,16 @@ impl Metrics {
                 self.store_errors.with_label_values(&[operation, kind]);
             }
         }
-        for status in ActivationStatus::ALL {
-            self.activations.with_label_values(&[status.as_str()]);
+        for status in ACTIVATION_STATUSES {
+            self.activations.with_label_values(&[status]);
         }
     }
 
     /// Counts what a status write did (status label "any": one statement
     /// covers many statuses).
-    pub fn record_status_outcome(&self, outcome: &crate::store::StatusUpdateOutcome) {
-        for (result, count) in [
-            ("updated", outcome.updated),
-            ("ignored", outcome.ignored),
-            ("missing", outcome.missing),
-            ("late", outcome.late),
-        ] {
+    /// `counts` are in the order of [`STATUS_RESULTS`].
+    pub fn record_status_outcome(&self, counts: [u64; 4]) {
+        for (result, count) in labels::STATUS_RESULTS.into_iter().zip(counts) {
             self.status_updates
                 .with_label_values(&["any", result])
                 .inc_by(count);
@@ -557,13 +568,15 @@ impl Metrics {
         counter.with_label_values(&[label]).get()
     }
 
-    pub fn observe_store(&self, operation: &str, elapsed: Duration, error: Option<&StoreError>) {
+    /// One run of a store operation; `error_kind` is the failed run's
+    /// `StoreError::kind`.
+    pub fn observe_store(&self, operation: &str, elapsed: Duration, error_kind: Option<&str>) {
         self.store_duration
             .with_label_values(&[operation])
             .observe(elapsed.as_secs_f64());
-        if let Some(error) = error {
+        if let Some(kind) = error_kind {
             self.store_errors
-                .with_label_values(&[operation, error.kind()])
+                .with_label_values(&[operation, kind])
                 .inc();
         }
     }
@@ -575,11 +588,12 @@ impl Metrics {
             .get_sample_count()
     }
 
-    pub fn set_status_counts(&self, counts: &StatusCounts) {
-        for status in ActivationStatus::ALL {
+    /// Rows per status, as `(stored status name, count)`.
+    pub fn set_status_counts(&self, counts: impl IntoIterator<Item = (&'static str, u64)>) {
+        for (status, count) in counts {
             self.activations
-                .with_label_values(&[status.as_str()])
-                .set(i64::try_from(counts.get(status)).unwrap_or(i64::MAX));
+                .with_label_values(&[status])
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
         }
     }
 

@@ -13,7 +13,6 @@ use prost::Message as _;
 use taskbroker::config::DeliveryMode;
 use taskbroker::grpc::consumer_service::ConsumerApi;
 use taskbroker::grpc::server::{ServerConfig, serve};
-use taskbroker::grpc::signing::{SIGNATURE_METADATA, sign};
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
@@ -23,6 +22,7 @@ use taskbroker::proto::{
 use taskbroker::store::{
     ActivationStatus, ActivationStore, BucketRange, PostgresStore, PostgresStoreConfig,
 };
+use taskbroker::wire::signing::{SIGNATURE_METADATA, sign};
 use tonic::Code;
 use tonic::transport::Channel;
 

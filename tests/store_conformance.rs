@@ -13,9 +13,9 @@ use common::{insert, now, row, row_from, rows, task};
 use prost::Message;
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, InflightActivation,
-    OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate, StatusUpdateOutcome, StoreError,
-    WorkerStatus,
+    ActivationStatus, ActivationStore, BucketRange, ClaimToken, ClaimedActivation,
+    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate,
+    StatusUpdateOutcome, StoreError, WorkerStatus,
 };
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -116,22 +116,19 @@ async fn fetch(store: &Store, id: &str) -> InflightActivation {
         .unwrap_or_else(|| panic!("row {id} missing"))
 }
 
-async fn claim_all(store: &Store, lease: Duration) -> Vec<InflightActivation> {
+async fn claim_all(store: &Store, lease: Duration) -> Vec<ClaimedActivation> {
     store
         .claim_for_push(BucketRange::ALL, 1000, lease)
         .await
         .expect("claim")
 }
 
-fn tokens(claimed: &[InflightActivation]) -> Vec<ClaimToken> {
-    claimed
-        .iter()
-        .map(|row| row.claim_token().expect("claimed rows carry a token"))
-        .collect()
+fn tokens(claimed: &[ClaimedActivation]) -> Vec<ClaimToken> {
+    claimed.iter().map(|row| row.token.clone()).collect()
 }
 
-fn ids(rows: &[InflightActivation]) -> Vec<String> {
-    rows.iter().map(|row| row.id.clone()).collect()
+fn ids<R: AsRef<InflightActivation>>(rows: &[R]) -> Vec<String> {
+    rows.iter().map(|row| row.as_ref().id.clone()).collect()
 }
 
 /// Rows in Processing: claimed then marked.

@@ -131,7 +131,7 @@ impl Harness {
             .await
             .expect("claim for push");
         assert_eq!(claimed.len(), 1, "one Pending row to claim");
-        claimed.remove(0)
+        claimed.remove(0).activation
     }
 
     fn transitions(&self, step: &str) -> u64 {

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use super::store::{ReleaseClaims, StoreActor};
 use crate::metrics::Metrics;
-use crate::store::ClaimToken;
+use crate::model::ClaimToken;
 
 /// The claims this broker currently holds, and whether the pipeline holding
 /// them is shutting down.

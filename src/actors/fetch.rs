@@ -42,7 +42,7 @@ use super::claims::{ClaimGuard, ClaimRegistry};
 use super::push_pool::{PushActivation, PushPoolActor};
 use super::store::{ClaimBatch, ReleaseClaims, StoreActor};
 use crate::metrics::Metrics;
-use crate::store::BucketRange;
+use crate::model::{BucketRange, ClaimedActivation};
 
 /// Pause before retrying a submit that found the push pool's mailbox full.
 const SUBMIT_RETRY_PAUSE: Duration = Duration::from_millis(5);
@@ -248,8 +248,8 @@ impl Submitter {
         let now = chrono::Utc::now();
         self.metrics.claims.inc_by(claimed.len() as u64);
 
-        let mut batch = claimed.into_iter().filter_map(|activation| {
-            let token = activation.claim_token()?;
+        let mut batch = claimed.into_iter().map(|claimed| {
+            let ClaimedActivation { activation, token } = claimed;
             let age = now - activation.received_at;
             self.metrics
                 .received_to_claimed
@@ -260,7 +260,7 @@ impl Submitter {
                 self.store.clone(),
                 Arc::clone(&self.metrics),
             );
-            Some(PushActivation { activation, claim })
+            PushActivation { activation, claim }
         });
         // Guards are created lazily by the iterator; collect them now so
         // every claim is registered as held before the first submit.

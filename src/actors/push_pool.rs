@@ -57,10 +57,10 @@ use tonic::Code;
 use super::claims::{ClaimGuard, ClaimRegistry};
 use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreActor, UndoClaim};
 use crate::config::WorkerEndpoints;
-use crate::grpc::worker_client::{PushTaskBytes, WorkerClient};
 use crate::metrics::Metrics;
+use crate::model::InflightActivation;
 use crate::proto::TaskActivation;
-use crate::store::InflightActivation;
+use crate::wire::worker_client::{PushTaskBytes, WorkerClient};
 
 /// First pause after an endpoint fails; doubles per failure up to
 /// [`MAX_ENDPOINT_BACKOFF`], and resets on the first success.

@@ -22,10 +22,11 @@ use futures::StreamExt;
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
-use crate::store::{
-    ActivationStore, BucketRange, ClaimToken, DeadlineOutcome, InflightActivation, PublishKind,
-    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome, StoreError, StoreResult,
+use crate::model::{
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
+use crate::store::{ActivationStore, StoreError, StoreResult};
 
 /// Messages queue here only while actix hands them to their futures, so a
 /// modest bound is enough; senders using `send` wait when it is full.
@@ -204,7 +205,11 @@ impl StoreActor {
         let write = async move {
             let started = Instant::now();
             let result = store.mark_processing(&claims, grace).await;
-            metrics.observe_store("mark_processing", started.elapsed(), result.as_ref().err());
+            metrics.observe_store(
+                "mark_processing",
+                started.elapsed(),
+                result.as_ref().err().map(StoreError::kind),
+            );
             result
         };
         ctx.spawn(write.into_actor(self).map(move |result, act, ctx| {
@@ -235,9 +240,13 @@ async fn write_reports(
 ) -> StoreResult<()> {
     let started = Instant::now();
     let result = store.set_status(updates).await;
-    metrics.observe_store("set_status", started.elapsed(), result.as_ref().err());
+    metrics.observe_store(
+        "set_status",
+        started.elapsed(),
+        result.as_ref().err().map(StoreError::kind),
+    );
     let outcome = result?;
-    metrics.record_status_outcome(&outcome);
+    metrics.record_status_outcome(outcome.counts());
     Ok(())
 }
 
@@ -275,7 +284,7 @@ macro_rules! store_messages {
                     let started = Instant::now();
                     let $store = store.as_ref();
                     let result = $call.await;
-                    metrics.observe_store($op, started.elapsed(), result.as_ref().err());
+                    metrics.observe_store($op, started.elapsed(), result.as_ref().err().map(StoreError::kind));
                     result
                 })
             }
@@ -291,7 +300,7 @@ store_messages! {
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
     /// Claim Pending rows of a bucket range for push delivery.
-    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
         "claim_for_push", |store, msg| store.claim_for_push(msg.buckets, msg.limit, msg.lease);
 
     /// Pull mode: hand the oldest matching Pending row to a worker.

@@ -44,10 +44,11 @@ use super::store::{
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
     RemoveExpired, StoreActor, TakeForPublish,
 };
-use crate::activation::retry_activation;
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
-use crate::store::{DeadlineOutcome, PublishKind, StoreError};
+use crate::model::retry_activation;
+use crate::model::{DeadlineOutcome, PublishKind};
+use crate::store::StoreError;
 
 /// Settings of the upkeep.
 #[derive(Debug, Clone)]
@@ -498,7 +499,7 @@ impl Cycle {
 
     async fn refresh_gauges(&self) {
         match self.store.send(CountByStatus {}).await {
-            Ok(Ok(counts)) => self.metrics.set_status_counts(&counts),
+            Ok(Ok(counts)) => self.metrics.set_status_counts(counts.by_status()),
             Ok(Err(err)) => self.failed("count_by_status", &err).unwrap_or(()),
             Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
         }

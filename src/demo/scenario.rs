@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::model::WorkerStatus;
 use crate::proto::{OnAttemptsExceeded, RetryState, TaskActivation, TaskActivationStatus};
-use crate::store::WorkerStatus;
 
 pub const KIND_HEADER: &str = "demo-kind";
 pub const ID_HEADER: &str = "demo-id";

@@ -10,12 +10,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::scenario::{Ledger, report_for, wire_status};
-use crate::grpc::signing::{SIGNATURE_METADATA, sign};
 use crate::grpc::verify::VerifySignatureLayer;
+use crate::model::WorkerStatus;
 use crate::proto::consumer_service_client::ConsumerServiceClient;
 use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
 use crate::proto::{PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation};
-use crate::store::WorkerStatus;
+use crate::wire::signing::{SIGNATURE_METADATA, sign};
 use std::collections::HashMap;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;

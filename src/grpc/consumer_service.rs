@@ -20,18 +20,19 @@ use actix::prelude::*;
 use prost::Message as _;
 use tonic::{Request, Response, Status};
 
-use crate::activation::{MAX_ID_BYTES, check_text};
 use crate::actors::StoreActor;
 use crate::actors::store::{ClaimForPull, ReportStatus, SetStatus};
 use crate::config::DeliveryMode;
 use crate::metrics::Metrics;
+use crate::model::{MAX_ID_BYTES, check_text};
+use crate::model::{PullFilter, StatusUpdate, WorkerStatus};
 use crate::proto::consumer_service_server::ConsumerService;
 use crate::proto::{
     FetchNextTask, GetTaskRequest, GetTaskResponse, SetBatchActivationStatusRequest,
     SetBatchActivationStatusResponse, SetTaskStatusRequest, SetTaskStatusResponse, TaskActivation,
     TaskActivationStatus,
 };
-use crate::store::{PullFilter, StatusUpdate, StoreError, WorkerStatus};
+use crate::store::StoreError;
 
 pub struct ConsumerApi {
     store: Addr<StoreActor>,
@@ -230,7 +231,7 @@ impl ConsumerService for ConsumerApi {
                 .await
                 .map_err(unavailable)?
                 .map_err(store_status)?;
-            self.metrics.record_status_outcome(&outcome);
+            self.metrics.record_status_outcome(outcome.counts());
         }
         Ok(Response::new(SetBatchActivationStatusResponse {}))
     }

@@ -24,7 +24,7 @@ use tonic::body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::signing::{SIGNATURE_METADATA, verify};
+use crate::wire::signing::{SIGNATURE_METADATA, verify};
 
 /// Paths that never need a signature.
 const UNSIGNED_PREFIX: &str = "/grpc.health.v1.Health/";

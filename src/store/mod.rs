@@ -11,11 +11,18 @@
 
 mod postgres;
 mod sqlite;
-pub mod types;
 
 pub use postgres::{PostgresStore, PostgresStoreConfig};
 pub use sqlite::{SqliteStore, SqliteStoreConfig};
-pub use types::*;
+
+// The values the store's operations take and answer belong to the domain
+// (`crate::model`); they are named here too because they are this
+// interface's vocabulary.
+pub use crate::model::{
+    ActivationStatus, BUCKET_COUNT, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome, WorkerStatus, bucket_for_id,
+};
 
 use std::time::Duration;
 
@@ -97,6 +104,25 @@ pub(crate) fn add_status_count(
     Ok(())
 }
 
+/// The rows a claim statement returned, oldest `added_at` first, each with
+/// the fence it wrote; both backends answer claims this way.
+pub(crate) fn claimed_rows(
+    mut rows: Vec<InflightActivation>,
+) -> StoreResult<Vec<ClaimedActivation>> {
+    // RETURNING has no order; hand them out oldest first.
+    rows.sort_by_key(|row| row.added_at);
+    rows.into_iter()
+        .map(|row| {
+            let id = row.id.clone();
+            ClaimedActivation::from_row(row).ok_or(StoreError::InvalidRow {
+                id,
+                column: "claim_expires_at",
+                value: "NULL on a claimed row".to_owned(),
+            })
+        })
+        .collect()
+}
+
 /// The operations the broker performs on in-flight activations.
 ///
 /// Implementations must be safe to call concurrently from many tasks and from
@@ -121,7 +147,7 @@ pub trait ActivationStore: Send + Sync + 'static {
         buckets: BucketRange,
         limit: usize,
         lease: Duration,
-    ) -> StoreResult<Vec<InflightActivation>>;
+    ) -> StoreResult<Vec<ClaimedActivation>>;
 
     /// Pull mode: moves the oldest Pending, unexpired row matching `filter`
     /// straight to Processing with its deadline. A namespace without an

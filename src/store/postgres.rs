@@ -11,12 +11,12 @@ use deadpool_postgres::{
 };
 use tokio_postgres::{NoTls, Row, error::SqlState};
 
-use super::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, DeadlineOutcome,
+use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
+use crate::model::{
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
     InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome, StoreError, StoreResult,
+    StatusUpdateOutcome, rewrite_retry_state,
 };
-use crate::activation::rewrite_retry_state;
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -587,7 +587,7 @@ impl ActivationStore for PostgresStore {
         buckets: BucketRange,
         limit_rows: usize,
         lease: Duration,
-    ) -> StoreResult<Vec<InflightActivation>> {
+    ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
             return Ok(Vec::new());
@@ -605,10 +605,7 @@ impl ActivationStore for PostgresStore {
                 ],
             )
             .await?;
-        let mut claimed = activations_from_rows(&rows)?;
-        // RETURNING has no order; hand them out oldest first.
-        claimed.sort_by_key(|row| row.added_at);
-        Ok(claimed)
+        claimed_rows(activations_from_rows(&rows)?)
     }
 
     async fn claim_for_pull(

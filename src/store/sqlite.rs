@@ -39,12 +39,12 @@ use chrono::{DateTime, Utc};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, params};
 use tokio::sync::oneshot;
 
-use super::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, DeadlineOutcome,
+use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
+use crate::model::{
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
     InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome, StoreError, StoreResult, WorkerStatus,
+    StatusUpdateOutcome, WorkerStatus, rewrite_retry_state,
 };
-use crate::activation::rewrite_retry_state;
 
 mod embedded {
     refinery::embed_migrations!("migrations/sqlite");
@@ -904,7 +904,7 @@ impl ActivationStore for SqliteStore {
         buckets: BucketRange,
         limit_rows: usize,
         lease: Duration,
-    ) -> StoreResult<Vec<InflightActivation>> {
+    ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
             return Ok(Vec::new());
@@ -912,7 +912,7 @@ impl ActivationStore for SqliteStore {
         let lease = duration_micros(lease);
         self.write(OP, false, move |connection| {
             let now = now_micros();
-            let mut claimed = query_rows(
+            let claimed = query_rows(
                 connection,
                 OP,
                 CLAIM_FOR_PUSH,
@@ -924,9 +924,7 @@ impl ActivationStore for SqliteStore {
                     now
                 ],
             )?;
-            // RETURNING has no order; hand them out oldest first.
-            claimed.sort_by_key(|row| row.added_at);
-            Ok(claimed)
+            claimed_rows(claimed)
         })
         .await
     }

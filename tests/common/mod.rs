@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use prost::Message;
-use taskbroker::activation::{KafkaPosition, inflight_from_record};
+use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
     ActivationStore, InflightActivation, PostgresStore, PostgresStoreConfig, SqliteStore,

@@ -9,8 +9,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
-use crate::activation::{ActivationError, KafkaPosition};
 use crate::kafka::Producer;
+use crate::model::{ActivationError, KafkaPosition};
 
 /// How long the dead-letter producer tries to deliver one record before the
 /// attempt counts as failed and is retried.

@@ -59,10 +59,11 @@ pub use self::dead_letter::{
 use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
 use super::store::{CountByStatus, InsertBatch, StoreActor};
-use crate::activation::{ActivationError, KafkaPosition, inflight_from_record};
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
-use crate::store::{InflightActivation, StoreError};
+use crate::model::InflightActivation;
+use crate::model::{ActivationError, KafkaPosition, inflight_from_record};
+use crate::store::StoreError;
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
 /// the loop goes without polling Kafka.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use taskbroker::activation::{KafkaPosition, inflight_from_record};
+use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::store::{
     ActivationStore, BucketRange, PostgresStore, PostgresStoreConfig, SqliteStore,
     SqliteStoreConfig, StatusUpdate, WorkerStatus,
@@ -182,16 +182,16 @@ async fn one_loop(
 /// them Processing, then Complete. Returns how many rows there were.
 pub async fn process_and_complete(
     store: &dyn ActivationStore,
-    claimed: Vec<taskbroker::store::InflightActivation>,
+    claimed: Vec<taskbroker::store::ClaimedActivation>,
 ) -> Result<u64, String> {
-    let tokens: Vec<_> = claimed.iter().filter_map(|row| row.claim_token()).collect();
+    let tokens: Vec<_> = claimed.iter().map(|row| row.token.clone()).collect();
     store
         .mark_processing(&tokens, Duration::from_secs(5))
         .await
         .map_err(|e| e.to_string())?;
     let updates: Vec<StatusUpdate> = claimed
         .into_iter()
-        .map(|row| StatusUpdate::new(row.id, WorkerStatus::Complete))
+        .map(|row| StatusUpdate::new(row.activation.id, WorkerStatus::Complete))
         .collect();
     store
         .set_status(&updates)

@@ -40,7 +40,6 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use clap::{Parser, Subcommand};
-use taskbroker::activation::{KafkaPosition, inflight_from_record};
 use taskbroker::actors::StoreActor;
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
@@ -48,6 +47,7 @@ use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::demo::worker::{DemoWorker, Mode};
 use taskbroker::metrics::Metrics;
+use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{ActivationStatus, ActivationStore, PostgresStore, PostgresStoreConfig};
 

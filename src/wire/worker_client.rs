@@ -209,7 +209,7 @@ mod tests {
         assert_eq!(decoded.callback_url, "broker:50051");
         assert_eq!(
             bytes.signature("s"),
-            crate::grpc::signing::sign("s", PUSH_TASK_PATH, &bytes.to_vec())
+            crate::wire::signing::sign("s", PUSH_TASK_PATH, &bytes.to_vec())
         );
     }
 }

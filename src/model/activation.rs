@@ -7,8 +7,8 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use prost::Message;
 
+use super::row::{ActivationStatus, InflightActivation, OnAttemptsExceeded, bucket_for_id};
 use crate::proto::TaskActivation;
-use crate::store::{ActivationStatus, InflightActivation, OnAttemptsExceeded, bucket_for_id};
 
 /// Why a record cannot become an activation row.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,10 +1,13 @@
-//! Values that cross the store interface.
+//! An in-flight activation as the store keeps it: its row, its lifecycle
+//! status, the fence a claim holds on it, and the bucket that decides which
+//! FetchActor claims it.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
+
+use super::claim::ClaimToken;
 
 /// Where an activation is in its lifecycle (DESIGN.md, "Activation lifecycle").
 /// Stored as its name in the `status` column.
@@ -125,13 +128,11 @@ impl InflightActivation {
     }
 }
 
-/// A claim as its holder saw it: the row id and the `claim_expires_at` the
-/// claim wrote. Transitions carrying a token only apply while the row is
-/// still Claimed with exactly this expiry.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ClaimToken {
-    pub id: String,
-    pub claim_expires_at: DateTime<Utc>,
+/// So code over rows takes claimed rows (`ClaimedActivation`) as well.
+impl AsRef<InflightActivation> for InflightActivation {
+    fn as_ref(&self) -> &InflightActivation {
+        self
+    }
 }
 
 /// Number of buckets activations are spread over (`bucket` is 0..=255).
@@ -160,126 +161,6 @@ impl BucketRange {
             first: (index * width) as i16,
             last: (index * width + width - 1) as i16,
         }
-    }
-}
-
-/// Pull-mode filter from GetTask / FetchNextTask.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PullFilter {
-    pub application: Option<String>,
-    pub namespace: Option<String>,
-}
-
-/// The outcomes a worker may report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WorkerStatus {
-    Complete,
-    Retry,
-    Failure,
-}
-
-impl WorkerStatus {
-    pub fn as_status(self) -> ActivationStatus {
-        match self {
-            WorkerStatus::Complete => ActivationStatus::Complete,
-            WorkerStatus::Retry => ActivationStatus::Retry,
-            WorkerStatus::Failure => ActivationStatus::Failure,
-        }
-    }
-}
-
-/// One status report from a worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StatusUpdate {
-    pub id: String,
-    pub status: WorkerStatus,
-    /// With RETRY: replaces `retry_state.max_attempts` in the stored activation.
-    pub max_attempts: Option<u32>,
-    /// With RETRY: replaces `retry_state.delay_on_retry` in the stored activation.
-    pub delay_on_retry: Option<u64>,
-}
-
-impl StatusUpdate {
-    pub fn new(id: impl Into<String>, status: WorkerStatus) -> Self {
-        StatusUpdate {
-            id: id.into(),
-            status,
-            max_attempts: None,
-            delay_on_retry: None,
-        }
-    }
-
-    /// Whether applying this update rewrites the stored activation bytes.
-    pub fn edits_retry_state(&self) -> bool {
-        self.status == WorkerStatus::Retry
-            && (self.max_attempts.is_some() || self.delay_on_retry.is_some())
-    }
-}
-
-/// What a batch of status updates did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StatusUpdateOutcome {
-    /// Rows that were Claimed or Processing and took the new status.
-    pub updated: u64,
-    /// Rows that exist but were in another status (already finished, not yet
-    /// handed out): left unchanged.
-    pub ignored: u64,
-    /// Ids with no row (already removed, or never stored).
-    pub missing: u64,
-    /// Of `updated`, reports that likely came from an earlier delivery of
-    /// the task: the row was Processing past its deadline, or had been
-    /// delivered before (`processing_attempts` > 0). Reports carry only the
-    /// id, so such a report still sets the status (PROTOCOL.md).
-    pub late: u64,
-}
-
-/// What the processing-deadline upkeep step did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DeadlineOutcome {
-    /// Back to Pending with one more attempt.
-    pub retried: u64,
-    /// at_most_once tasks moved to Failure.
-    pub failed: u64,
-}
-
-/// Which rows `take_for_publish` hands out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PublishKind {
-    /// Retry rows: a new activation goes to the retry topic.
-    Retry,
-    /// Failure rows of dead-letter tasks: the stored bytes go to the DLQ.
-    DeadLetter,
-}
-
-/// Row counts per status; statuses with no rows count 0.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StatusCounts(BTreeMap<ActivationStatus, u64>);
-
-impl StatusCounts {
-    pub fn get(&self, status: ActivationStatus) -> u64 {
-        self.0.get(&status).copied().unwrap_or(0)
-    }
-
-    pub fn set(&mut self, status: ActivationStatus, count: u64) {
-        self.0.insert(status, count);
-    }
-
-    pub fn total(&self) -> u64 {
-        self.0.values().sum()
-    }
-
-    /// Rows the broker still has to deliver or finish: the figure the
-    /// consumer's backpressure compares with `MAX_INFLIGHT`.
-    pub fn inflight(&self) -> u64 {
-        [
-            ActivationStatus::Pending,
-            ActivationStatus::Delay,
-            ActivationStatus::Claimed,
-            ActivationStatus::Processing,
-        ]
-        .into_iter()
-        .map(|status| self.get(status))
-        .sum()
     }
 }
 

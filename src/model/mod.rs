@@ -1,0 +1,26 @@
+//! The broker's domain: what an in-flight activation is, how a wire
+//! `TaskActivation` becomes one, the claim that fences it, what workers
+//! report about it and the edits a retry makes to it.
+//!
+//! Everything else builds on this module and it builds on nothing of the
+//! broker's but the generated protobuf types: the store persists and fences
+//! these values, the actors move them, and neither rewrites protobuf.
+
+pub mod activation;
+mod claim;
+mod report;
+mod row;
+
+pub use activation::{
+    ActivationError, KafkaPosition, MAX_ID_BYTES, MAX_NAME_BYTES, TextProblem, check_text,
+    inflight_from_record, retry_activation, rewrite_retry_state, timestamp_in_range,
+};
+pub use claim::{ClaimToken, ClaimedActivation};
+pub use report::{
+    DeadlineOutcome, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    WorkerStatus,
+};
+pub use row::{
+    ActivationStatus, BUCKET_COUNT, BucketRange, InflightActivation, OnAttemptsExceeded,
+    bucket_for_id,
+};

@@ -11,6 +11,10 @@
 //! already in flight end within their push timeout; every claim not pushed
 //! (the rest of a batch, the pool's mailbox, the message it held waiting for
 //! a slot) is released in one statement; upkeep stops; the store goes last.
+//!
+//! While it runs, every actor is watched (`crate::supervisor`): one that
+//! stops on its own is a failure that turns health NOT_SERVING and unready,
+//! and `taskbroker run` then stops the rest and exits non-zero.
 
 use std::sync::Arc;
 
@@ -28,6 +32,7 @@ use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
 use crate::model::BucketRange;
 use crate::store::ActivationStore;
+use crate::supervisor::{Health, Watched, watch_actors};
 
 /// What a push pipeline needs from the configuration.
 #[derive(Debug, Clone)]
@@ -160,7 +165,7 @@ impl PushPipeline {
 }
 
 impl ConsumerConfig {
-    pub fn from_config(config: &Config) -> Self {
+    pub fn from_config(config: &Config, health: Health) -> Self {
         ConsumerConfig {
             kafka: KafkaSettings::from_config(config),
             topic: config.kafka_topic.clone(),
@@ -177,13 +182,14 @@ impl ConsumerConfig {
             // SHUTDOWN_TIMEOUT_MS even when the database is gone.
             stop_grace: config.shutdown_timeout.saturating_sub(config.push_timeout) / 2,
             max_activation_bytes: config.max_activation_bytes,
+            health,
             crash_before_commit_after: None,
         }
     }
 }
 
 impl UpkeepConfig {
-    pub fn from_config(config: &Config) -> Self {
+    pub fn from_config(config: &Config, health: Health) -> Self {
         let delivery_timeout = std::time::Duration::from_secs(10);
         UpkeepConfig {
             interval: config.upkeep_interval,
@@ -195,6 +201,7 @@ impl UpkeepConfig {
             dlq_topic: config.kafka_dlq_topic.clone(),
             delivery_timeout,
             publish_lease: delivery_timeout * 3,
+            health,
         }
     }
 }
@@ -210,6 +217,9 @@ pub struct Broker {
     /// port 0 in the configuration shows the port taken).
     pub grpc_addr: std::net::SocketAddr,
     pub metrics_addr: std::net::SocketAddr,
+    /// Failures of the broker's parts, upkeep progress and the consumer's
+    /// assignment: what health and readiness report.
+    pub health: Health,
     grpc_shutdown: tokio::sync::oneshot::Sender<()>,
     http_shutdown: tokio::sync::oneshot::Sender<()>,
     arbiters: Vec<Arbiter>,
@@ -234,6 +244,7 @@ impl Broker {
         metrics: Arc<Metrics>,
         host_name: &str,
     ) -> Result<Broker, String> {
+        let health = Health::new();
         let store_arbiter = Arbiter::new();
         let store_actor = {
             let metrics = Arc::clone(&metrics);
@@ -266,7 +277,7 @@ impl Broker {
 
         let upkeep_arbiter = Arbiter::new();
         let upkeep = UpkeepActor::new(
-            UpkeepConfig::from_config(config),
+            UpkeepConfig::from_config(config, health.clone()),
             store_actor.clone(),
             wake.clone(),
             Arc::clone(&metrics),
@@ -276,7 +287,7 @@ impl Broker {
         let consumer_arbiter = Arbiter::new();
         let shared_metrics = Arc::clone(&metrics);
         let consumer = ConsumerActor::new(
-            ConsumerConfig::from_config(config),
+            ConsumerConfig::from_config(config, health.clone()),
             store_actor.clone(),
             wake,
             metrics,
@@ -320,15 +331,29 @@ impl Broker {
                 tracing::error!(error = %err, "gRPC server failed");
             }
         });
-        let (health_store, health_metrics) = (store_actor.clone(), Arc::clone(&shared_metrics));
+        let health_store = store_actor.clone();
         // Upkeep counts as stalled after ten missed intervals (at least 30 s).
         let upkeep_stall = (config.upkeep_interval * 10).max(std::time::Duration::from_secs(30));
+        let reported = health.clone();
         server_arbiter.spawn(async move {
             if let Ok(reporter) = health_rx.await {
-                report_health(reporter, health_store, health_metrics, upkeep_stall).await;
+                report_health(reporter, health_store, reported, upkeep_stall).await;
             }
         });
+        let mut watched = vec![
+            Watched::actor("the store actor", &store_actor),
+            Watched::actor("the Kafka consumer", &consumer),
+            Watched::actor("the upkeep actor", &upkeep),
+        ];
+        if let Some(pipeline) = &pipeline {
+            watched.push(Watched::actor("the push pool", &pipeline.push_pool));
+            for (index, fetcher) in pipeline.fetchers.iter().enumerate() {
+                watched.push(Watched::actor(format!("fetch actor {index}"), fetcher));
+            }
+        }
+        server_arbiter.spawn(watch_actors(health.clone(), watched, WATCH_INTERVAL));
         let (http_metrics, http_store) = (Arc::clone(&shared_metrics), store_actor.clone());
+        let http_health = health.clone();
         server_arbiter.spawn(async move {
             let listener = match tokio::net::TcpListener::from_std(metrics_listener) {
                 Ok(listener) => listener,
@@ -337,7 +362,9 @@ impl Broker {
             let stop = async move {
                 let _ = http_stop.await;
             };
-            if let Err(err) = crate::http::serve(listener, http_metrics, http_store, stop).await {
+            if let Err(err) =
+                crate::http::serve(listener, http_metrics, http_store, http_health, stop).await
+            {
                 tracing::error!(error = %err, "metrics endpoint failed");
             }
         });
@@ -349,6 +376,7 @@ impl Broker {
             pipeline,
             grpc_addr,
             metrics_addr,
+            health,
             grpc_shutdown,
             http_shutdown,
             arbiters: vec![
@@ -364,6 +392,9 @@ impl Broker {
     /// gRPC server stops after the pushes, so workers can still report the
     /// results of tasks pushed during shutdown; its in-flight calls finish.
     pub async fn stop(self) {
+        // From here on actors stop because they are told to; health and
+        // readiness turn away new work at once.
+        self.health.begin_stop();
         let _ = self.consumer.send(StopConsuming).await;
         if let Some(pipeline) = self.pipeline {
             pipeline.stop().await;
@@ -377,34 +408,39 @@ impl Broker {
     }
 }
 
-/// Keeps grpc.health.v1 in step with the broker: SERVING while the store
-/// answers and upkeep cycles keep completing (none for `upkeep_stall` means
-/// deadlines, expiry and retries have stopped).
+/// How often the supervisor checks that every actor still runs.
+const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Keeps grpc.health.v1 in step with the broker: SERVING while no part has
+/// failed, the broker is not stopping, the store answers a ping and upkeep
+/// cycles keep completing (none for `upkeep_stall` means deadlines, expiry
+/// and retries have stopped). A failure turns it NOT_SERVING at once.
 async fn report_health(
     reporter: tonic_health::server::HealthReporter,
     store: Addr<StoreActor>,
-    metrics: Arc<Metrics>,
+    health: Health,
     upkeep_stall: std::time::Duration,
 ) {
     use crate::proto::consumer_service_server::ConsumerServiceServer;
     type Api = ConsumerServiceServer<crate::grpc::consumer_service::ConsumerApi>;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-    let (mut cycles, mut progressed) = (metrics.upkeep_cycles.get(), tokio::time::Instant::now());
     loop {
-        tick.tick().await;
-        if metrics.upkeep_cycles.get() != cycles {
-            cycles = metrics.upkeep_cycles.get();
-            progressed = tokio::time::Instant::now();
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = health.failed() => {}
         }
-        let store_answers = matches!(
-            store.send(crate::actors::store::CountByStatus {}).await,
-            Ok(Ok(_))
-        );
-        let healthy = store_answers && progressed.elapsed() < upkeep_stall;
+        let healthy = health.failure().is_none()
+            && !health.is_stopping()
+            && health.since_upkeep_progress() < upkeep_stall
+            && crate::http::store_answers(&store).await.is_ok();
         if healthy {
             reporter.set_serving::<Api>().await;
         } else {
             reporter.set_not_serving::<Api>().await;
+        }
+        if health.failure().is_some() {
+            // Failed for good: NOT_SERVING until the process exits.
+            return;
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The operator's HTTP endpoint on `METRICS_ADDR`: `/metrics` (Prometheus
 //! text format), `/health` (liveness: the process answers) and `/ready`
-//! (readiness: migrations ran before the broker started, the store answers,
-//! and the Kafka consumer has joined its group and received an assignment,
+//! (readiness: no part of the broker has failed and it is not stopping,
+//! migrations ran before the broker started, the store answers a ping, and
+//! the Kafka consumer has joined its group and received an assignment,
 //! possibly empty when there are more replicas than partitions).
 
 use std::future::Future;
@@ -17,11 +18,13 @@ use axum::routing::get;
 use crate::actors::StoreActor;
 use crate::actors::store::CountByStatus;
 use crate::metrics::Metrics;
+use crate::supervisor::Health;
 
 #[derive(Clone)]
 struct Endpoint {
     metrics: Arc<Metrics>,
     store: Addr<StoreActor>,
+    health: Health,
 }
 
 /// Serves until `shutdown` resolves.
@@ -29,13 +32,18 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     store: Addr<StoreActor>,
+    health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(render))
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
-        .with_state(Endpoint { metrics, store });
+        .with_state(Endpoint {
+            metrics,
+            store,
+            health,
+        });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -49,15 +57,28 @@ async fn render(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 }
 
 async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
-    if endpoint.metrics.consumer_assignments.get() == 0 {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "kafka: no partition assignment yet\n".to_owned(),
-        );
+    let unready = |why: String| (StatusCode::SERVICE_UNAVAILABLE, why);
+    if let Some(failure) = endpoint.health.failure() {
+        return unready(format!("failed: {failure}\n"));
     }
-    match endpoint.store.send(CountByStatus {}).await {
-        Ok(Ok(_)) => (StatusCode::OK, "ready\n".to_owned()),
-        Ok(Err(err)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
-        Err(err) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
+    if endpoint.health.is_stopping() {
+        return unready("stopping\n".to_owned());
+    }
+    if !endpoint.health.consumer_joined() {
+        return unready("kafka: no partition assignment yet\n".to_owned());
+    }
+    match store_answers(&endpoint.store).await {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(err) => unready(format!("store: {err}\n")),
+    }
+}
+
+/// Whether the store answers: a cheap round trip through the StoreActor to
+/// the database, no table scan.
+pub async fn store_answers(store: &Addr<StoreActor>) -> Result<(), String> {
+    match store.send(CountByStatus {}).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(err) => Err(err.to_string()),
     }
 }

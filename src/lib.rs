@@ -14,6 +14,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod model;
 pub mod store;
+pub mod supervisor;
 pub mod wire;
 
 pub mod proto {

@@ -7,7 +7,9 @@
 //! the actors in the order `broker.rs` describes (consumer commits, fetchers
 //! finish their batch, pushes in flight finish, held claims are released in
 //! one statement, the gRPC server drains), exiting 0 within
-//! `SHUTDOWN_TIMEOUT_MS`. A second signal exits at once. `taskbroker migrate` only applies
+//! `SHUTDOWN_TIMEOUT_MS`. A second signal exits at once. When one of its
+//! actors stops on its own (`src/supervisor.rs`), it stops the rest the same
+//! way and exits 1, so the orchestrator restarts it. `taskbroker migrate` only applies
 //! migrations, and `taskbroker config` prints the effective configuration (secrets redacted)
 //! or, with `--markdown`, the configuration reference in docs/. `taskbroker demo` runs
 //! everything on one machine with nothing installed (src/demo/run.rs), `taskbroker
@@ -217,9 +219,14 @@ async fn run(config: Config) -> Result<(), String> {
         Err(err) => return Err(format!("store actor stopped: {err}")),
     }
 
-    wait_for_shutdown_signal().await;
+    // Runs until a signal asks it to stop, or one of its parts fails.
+    let failure = tokio::select! {
+        () = wait_for_shutdown_signal() => None,
+        failure = broker.health.failed() => Some(failure),
+    };
     tracing::info!(
         timeout_ms = config.shutdown_timeout.as_millis() as u64,
+        failure = failure.as_deref().unwrap_or("none"),
         "shutting down (a second signal exits at once)"
     );
     // A second signal means "now": exit without the orderly stop. Claims
@@ -230,6 +237,11 @@ async fn run(config: Config) -> Result<(), String> {
         std::process::exit(130);
     });
     match tokio::time::timeout(config.shutdown_timeout, broker.stop()).await {
+        // The orchestrator restarts a broker that exits non-zero.
+        Ok(()) if failure.is_some() => Err(format!(
+            "stopped after a failure: {}; exiting non-zero so the broker is restarted",
+            failure.unwrap_or_default()
+        )),
         Ok(()) => {
             tracing::info!("stopped cleanly");
             Ok(())

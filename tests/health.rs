@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kafka::MockKafka;
-use common::{TestDb, http_get, wait_until};
+use common::{KillOnDrop, TestDb, TestSqlite, http_get, wait_until};
+use taskbroker::actors::fetch::StopFetching;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
 use taskbroker::metrics::Metrics;
@@ -18,14 +19,22 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 fn config(kafka: &MockKafka, database_url: &str) -> Config {
+    config_with(kafka, database_url, &[("DELIVERY_MODE", "pull")])
+}
+
+fn config_with(kafka: &MockKafka, database_url: &str, extra: &[(&str, &str)]) -> Config {
     let env: HashMap<String, String> = [
         ("DATABASE_URL", database_url.to_owned()),
-        ("DELIVERY_MODE", "pull".to_owned()),
         ("KAFKA_BROKERS", kafka.bootstrap()),
         ("GRPC_ADDR", "127.0.0.1:0".to_owned()),
         ("METRICS_ADDR", "127.0.0.1:0".to_owned()),
     ]
     .into_iter()
+    .chain(
+        extra
+            .iter()
+            .map(|(name, value)| (*name, (*value).to_owned())),
+    )
     .map(|(name, value)| (format!("TASKBROKER_{name}"), value))
     .collect();
     Config::from_lookup(|name| env.get(name).cloned()).expect("test configuration")
@@ -84,6 +93,105 @@ async fn healthy_broker_is_live_ready_and_serving() {
         .local_addr()
         .unwrap();
     assert_eq!(healthcheck(closed.to_string()).await, Some(1));
+
+    // An orderly stop is not a failure.
+    let health = broker.health.clone();
+    Arc::into_inner(broker).expect("one owner").stop().await;
+    assert_eq!(health.failure(), None);
+}
+
+#[actix_rt::test]
+async fn an_actor_that_stops_on_its_own_fails_health_and_readiness_at_once() {
+    let db = TestDb::new().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("taskworker", 2);
+    let config = config_with(
+        &kafka,
+        &db.url,
+        &[
+            ("DELIVERY_MODE", "push"),
+            ("WORKER_ENDPOINTS", "*=http://127.0.0.1:1"),
+            ("FETCH_ACTORS", "2"),
+        ],
+    );
+    let broker = Broker::start(&config, db.store().await, Arc::new(Metrics::new()), "h")
+        .expect("broker starts");
+    let broker = Arc::new(broker);
+    wait_until("the broker is ready", Duration::from_secs(30), || {
+        let broker = Arc::clone(&broker);
+        async move { http_status(&broker, "/ready").await == 200 }
+    })
+    .await;
+    assert_eq!(grpc_health(&broker).await, ServingStatus::Serving);
+
+    // A FetchActor stops while the broker is not stopping: nothing else
+    // would notice, and its buckets would never be pushed again.
+    let fetcher = &broker.pipeline.as_ref().expect("push mode").fetchers[1];
+    fetcher.do_send(StopFetching);
+    let failure = tokio::time::timeout(Duration::from_secs(10), broker.health.failed())
+        .await
+        .expect("the supervisor notices the stopped actor");
+    assert_eq!(failure, "fetch actor 1 stopped unexpectedly");
+
+    let (status, body) = http_get(broker.metrics_addr, "/ready").await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("fetch actor 1 stopped unexpectedly"),
+        "{body}"
+    );
+    assert_eq!(http_status(&broker, "/health").await, 200, "still live");
+    wait_until(
+        "gRPC health turns NOT_SERVING",
+        Duration::from_secs(5),
+        || {
+            let broker = Arc::clone(&broker);
+            async move { grpc_health(&broker).await == ServingStatus::NotServing }
+        },
+    )
+    .await;
+}
+
+/// `taskbroker run` whose Kafka consumer cannot start (librdkafka refuses its
+/// configuration when the consumer is created) exits non-zero on its own and
+/// says why, instead of running on without ingesting anything.
+#[actix_rt::test]
+async fn the_binary_exits_non_zero_when_its_consumer_cannot_start() {
+    let kafka = MockKafka::start();
+    let sqlite = TestSqlite::new();
+    let mut broker = std::process::Command::new(env!("CARGO_BIN_EXE_taskbroker"))
+        .arg("run")
+        .env("TASKBROKER_SQLITE_PATH", &sqlite.path)
+        .env("TASKBROKER_DELIVERY_MODE", "pull")
+        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
+        // Accepted by producers (a consumer-only property), refused by the
+        // consumer: max.poll.interval.ms must be at least session.timeout.ms.
+        .env("TASKBROKER_KAFKA_CONFIG", "max.poll.interval.ms=1")
+        .env("TASKBROKER_GRPC_ADDR", "127.0.0.1:0")
+        .env("TASKBROKER_METRICS_ADDR", "127.0.0.1:0")
+        .env("TASKBROKER_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the broker binary");
+    let _leftover = KillOnDrop(vec![broker.id()]);
+    let stderr = broker.stderr.take().expect("stderr");
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking(move || {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut { stderr }, &mut text).ok();
+            (broker.wait().expect("wait"), text)
+        }),
+    )
+    .await
+    .expect("the broker exits on its own")
+    .expect("join");
+    let (status, stderr) = output;
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the Kafka consumer stopped unexpectedly"),
+        "{stderr}"
+    );
 }
 
 /// Exit code of `taskbroker healthcheck` with `TASKBROKER_METRICS_ADDR`.

@@ -396,6 +396,7 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
             dlq_topic: "dlq".to_owned(),
             delivery_timeout: Duration::from_secs(5),
             publish_lease: Duration::from_secs(10),
+            health: Default::default(),
         },
         harness.store_actor.clone(),
         vec![],

@@ -76,6 +76,7 @@ impl Harness {
             dlq_topic: DLQ_TOPIC.to_owned(),
             delivery_timeout: Duration::from_secs(2),
             publish_lease: Duration::from_secs(3),
+            health: Default::default(),
         }
     }
 

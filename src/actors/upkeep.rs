@@ -49,6 +49,7 @@ use crate::metrics::Metrics;
 use crate::model::retry_activation;
 use crate::model::{DeadlineOutcome, PublishKind};
 use crate::store::StoreError;
+use crate::supervisor::Health;
 
 /// Settings of the upkeep.
 #[derive(Debug, Clone)]
@@ -66,6 +67,8 @@ pub struct UpkeepConfig {
     /// longer than `delivery_timeout`, so a slow acknowledgement never lets
     /// another broker publish the same row.
     pub publish_lease: Duration,
+    /// Where each completed cycle is reported (gRPC health watches it).
+    pub health: Health,
 }
 
 /// Run one upkeep cycle now (unless one is running). Answers whether a cycle
@@ -178,6 +181,7 @@ impl Handler<RunUpkeep> for UpkeepActor {
         ctx.spawn(cycle.run().into_actor(self).map(|runnable, act, ctx| {
             act.running = false;
             act.metrics.upkeep_cycles.inc();
+            act.config.health.upkeep_cycle_completed();
             if runnable {
                 for fetcher in &act.wake {
                     let _ = fetcher.try_send(WakeFetch);

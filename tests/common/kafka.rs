@@ -43,6 +43,7 @@ impl MockKafka {
             max_delay: Duration::from_secs(3600),
             max_activation_bytes: 1 << 20,
             crash_before_commit_after: None,
+            health: Default::default(),
             stop_grace: MIN_STOP_GRACE,
         }
     }

@@ -64,6 +64,7 @@ use crate::metrics::Metrics;
 use crate::model::InflightActivation;
 use crate::model::{ActivationError, KafkaPosition, inflight_from_record};
 use crate::store::StoreError;
+use crate::supervisor::Health;
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
 /// the loop goes without polling Kafka.
@@ -90,6 +91,8 @@ pub struct ConsumerConfig {
     pub max_inflight: u64,
     pub max_delay: Duration,
     pub max_activation_bytes: usize,
+    /// Where assignments are reported (readiness waits for the first).
+    pub health: Health,
     /// Test-only switch: after this many stored batches the loop stops
     /// without committing, as if the process died between insert and commit.
     pub crash_before_commit_after: Option<u64>,
@@ -433,6 +436,7 @@ impl ConsumeLoop {
     fn rebalanced(&mut self, event: Rebalanced) {
         let assigned = self.consumer.assignment().map_or(0, |list| list.count());
         self.metrics.partitions_assigned.set(assigned as i64);
+        self.config.health.set_assignment(assigned);
         match event {
             Rebalanced::Assigned => {
                 tracing::info!(partitions = assigned, "Kafka partitions assigned");

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kafka::MockKafka;
+use common::process::encoded_tasks;
 use common::worker::{FakeWorker, Mode};
 use common::{Backend, TestStore, http_get, wait_until};
-use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
 use taskbroker::metrics::Metrics;
@@ -46,24 +46,7 @@ fn config(kafka: &MockKafka, db: &TestStore, extra: &[(&str, String)]) -> Config
 
 async fn produce_tasks(kafka: &MockKafka) -> HashSet<String> {
     let ids: Vec<String> = (0..TASKS).map(|i| format!("e2e-{i}")).collect();
-    let payloads: Vec<Vec<u8>> = ids
-        .iter()
-        .map(|id| {
-            TaskActivation {
-                id: id.clone(),
-                namespace: "e2e".to_owned(),
-                taskname: "tests.e2e".to_owned(),
-                received_at: Some(prost_types::Timestamp {
-                    seconds: chrono::Utc::now().timestamp(),
-                    nanos: 0,
-                }),
-                processing_deadline_duration: 60,
-                application: Some("app".to_owned()),
-                ..Default::default()
-            }
-            .encode_to_vec()
-        })
-        .collect();
+    let payloads = encoded_tasks(&ids, "e2e", 60);
     kafka.produce("tasks", &payloads).await;
     ids.into_iter().collect()
 }

@@ -13,12 +13,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::kafka::MockKafka;
+use common::process::{broker_command, encoded_tasks};
 use common::worker::{DemoWorker, FakeWorker, Mode};
 use common::{Backend, KillOnDrop, TestStore, free_port, http_get};
-use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
-    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
+    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivationStatus,
 };
 
 const TASKS: usize = 2_000;
@@ -34,15 +34,8 @@ struct Ports {
 }
 
 fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
-    let (store_variable, store_value) = db.env();
-    Command::new(env!("CARGO_BIN_EXE_taskbroker"))
-        .arg("run")
-        .env_remove("TASKBROKER_DATABASE_URL")
-        .env(format!("TASKBROKER_{store_variable}"), store_value)
-        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
-        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+    broker_command(db.env(), &kafka, ports.grpc)
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
-        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{}", ports.grpc))
         .env(
             "TASKBROKER_METRICS_ADDR",
             format!("127.0.0.1:{}", ports.metrics),
@@ -146,24 +139,7 @@ async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend:
     })
     .await;
     let ids: HashSet<String> = (0..TASKS).map(|i| format!("crash-{i}")).collect();
-    let payloads: Vec<Vec<u8>> = ids
-        .iter()
-        .map(|id| {
-            TaskActivation {
-                id: id.clone(),
-                namespace: "crash".to_owned(),
-                taskname: "tests.crash".to_owned(),
-                received_at: Some(prost_types::Timestamp {
-                    seconds: Utc::now().timestamp(),
-                    nanos: 0,
-                }),
-                processing_deadline_duration: 120,
-                application: Some("app".to_owned()),
-                ..Default::default()
-            }
-            .encode_to_vec()
-        })
-        .collect();
+    let payloads = encoded_tasks(&ids, "crash", 120);
     kafka.produce("tasks", &payloads).await;
     let ports = Ports {
         grpc: free_port(),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kafka::MockKafka;
+use common::process::broker_command;
 use common::{KillOnDrop, TestDb, TestSqlite, http_get, wait_until};
 use taskbroker::actors::fetch::StopFetching;
 use taskbroker::broker::Broker;
@@ -140,15 +141,7 @@ async fn an_actor_that_stops_on_its_own_fails_health_and_readiness_at_once() {
         "{body}"
     );
     assert_eq!(http_status(&broker, "/health").await, 200, "still live");
-    wait_until(
-        "gRPC health turns NOT_SERVING",
-        Duration::from_secs(5),
-        || {
-            let broker = Arc::clone(&broker);
-            async move { grpc_health(&broker).await == ServingStatus::NotServing }
-        },
-    )
-    .await;
+    wait_for_not_serving(&broker, Duration::from_secs(5)).await;
 }
 
 /// `taskbroker run` whose Kafka consumer cannot start (librdkafka refuses its
@@ -158,18 +151,13 @@ async fn an_actor_that_stops_on_its_own_fails_health_and_readiness_at_once() {
 async fn the_binary_exits_non_zero_when_its_consumer_cannot_start() {
     let kafka = MockKafka::start();
     let sqlite = TestSqlite::new();
-    let mut broker = std::process::Command::new(env!("CARGO_BIN_EXE_taskbroker"))
-        .arg("run")
-        .env("TASKBROKER_SQLITE_PATH", &sqlite.path)
+    let sqlite_env = ("SQLITE_PATH", sqlite.path.display().to_string());
+    let mut broker = broker_command(sqlite_env, &kafka, 0)
         .env("TASKBROKER_DELIVERY_MODE", "pull")
-        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
         // Accepted by producers (a consumer-only property), refused by the
         // consumer: max.poll.interval.ms must be at least session.timeout.ms.
         .env("TASKBROKER_KAFKA_CONFIG", "max.poll.interval.ms=1")
-        .env("TASKBROKER_GRPC_ADDR", "127.0.0.1:0")
-        .env("TASKBROKER_METRICS_ADDR", "127.0.0.1:0")
         .env("TASKBROKER_LOG", "error")
-        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start the broker binary");
@@ -221,13 +209,13 @@ async fn broker_without_its_store_is_live_but_not_ready_nor_serving() {
     assert_eq!(http_status(&broker, "/health").await, 200, "still live");
     assert_eq!(http_status(&broker, "/ready").await, 503);
     let broker = Arc::new(broker);
-    wait_until(
-        "gRPC health turns NOT_SERVING",
-        Duration::from_secs(10),
-        || {
-            let broker = Arc::clone(&broker);
-            async move { grpc_health(&broker).await == ServingStatus::NotServing }
-        },
-    )
+    wait_for_not_serving(&broker, Duration::from_secs(10)).await;
+}
+
+async fn wait_for_not_serving(broker: &Arc<Broker>, limit: Duration) {
+    wait_until("gRPC health turns NOT_SERVING", limit, || {
+        let broker = Arc::clone(broker);
+        async move { grpc_health(&broker).await == ServingStatus::NotServing }
+    })
     .await;
 }

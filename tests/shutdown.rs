@@ -9,12 +9,12 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::kafka::MockKafka;
+use common::process::{broker_command, encoded_tasks};
 use common::worker::{FakeWorker, Mode};
 use common::{Backend, KillOnDrop, TestDb, TestStore, free_port, wait_until};
-use prost::Message as _;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
-    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
+    SetBatchActivationStatusRequest, SetTaskStatusRequest, TaskActivationStatus,
 };
 
 on_both_backends!(sigterm_with_a_hung_worker_exits_within_one_push_timeout);
@@ -29,33 +29,13 @@ async fn sigterm_with_load_in_flight_stops_cleanly() {
         delay: Duration::from_millis(20),
     })
     .await;
-    let payloads: Vec<Vec<u8>> = (0..3_000)
-        .map(|i| {
-            TaskActivation {
-                id: format!("term-{i}"),
-                namespace: "term".to_owned(),
-                taskname: "tests.term".to_owned(),
-                processing_deadline_duration: 60,
-                application: Some("app".to_owned()),
-                ..Default::default()
-            }
-            .encode_to_vec()
-        })
-        .collect();
+    let ids: Vec<String> = (0..3_000).map(|i| format!("term-{i}")).collect();
+    let payloads = encoded_tasks(&ids, "term", 60);
     kafka.produce("tasks", &payloads).await;
 
     let grpc_port = free_port();
-    let mut broker = Command::new(env!("CARGO_BIN_EXE_taskbroker"))
-        .arg("run")
-        .env("TASKBROKER_DATABASE_URL", &db.url)
-        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
-        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+    let mut broker = broker_command(("DATABASE_URL", db.url.clone()), &kafka, grpc_port)
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
-        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{grpc_port}"))
-        .env(
-            "TASKBROKER_METRICS_ADDR",
-            format!("127.0.0.1:{}", free_port()),
-        )
         .env("TASKBROKER_PUSH_CONCURRENCY", "8")
         .env("TASKBROKER_SHUTDOWN_TIMEOUT_MS", "20000")
         .env("TASKBROKER_LOG", "warn")
@@ -175,33 +155,12 @@ async fn sigterm_with_a_hung_worker_exits_within_one_push_timeout(backend: Backe
     let kafka = MockKafka::start();
     kafka.create_topic("tasks", 1);
     let worker = FakeWorker::start(Mode::Hang).await;
-    let payloads: Vec<Vec<u8>> = (0..50)
-        .map(|i| {
-            TaskActivation {
-                id: format!("hung-{i}"),
-                namespace: "hung".to_owned(),
-                taskname: "tests.hung".to_owned(),
-                processing_deadline_duration: 60,
-                application: Some("app".to_owned()),
-                ..Default::default()
-            }
-            .encode_to_vec()
-        })
-        .collect();
+    let ids: Vec<String> = (0..50).map(|i| format!("hung-{i}")).collect();
+    let payloads = encoded_tasks(&ids, "hung", 60);
     kafka.produce("tasks", &payloads).await;
 
-    let (store_variable, store_value) = db.env();
-    let broker = Command::new(env!("CARGO_BIN_EXE_taskbroker"))
-        .arg("run")
-        .env(format!("TASKBROKER_{store_variable}"), store_value)
-        .env("TASKBROKER_KAFKA_BROKERS", kafka.bootstrap())
-        .env("TASKBROKER_KAFKA_TOPIC", "tasks")
+    let broker = broker_command(db.env(), &kafka, free_port())
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
-        .env("TASKBROKER_GRPC_ADDR", format!("127.0.0.1:{}", free_port()))
-        .env(
-            "TASKBROKER_METRICS_ADDR",
-            format!("127.0.0.1:{}", free_port()),
-        )
         .env(
             "TASKBROKER_PUSH_TIMEOUT_MS",
             PUSH_TIMEOUT.as_millis().to_string(),

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod kafka;
+pub mod process;
 pub mod worker;
 
 use std::sync::Arc;

@@ -34,7 +34,7 @@ struct Ports {
 }
 
 fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
-    broker_command(db.env(), &kafka, ports.grpc)
+    broker_command(db.env(), kafka, ports.grpc)
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
         .env(
             "TASKBROKER_METRICS_ADDR",

@@ -1,8 +1,14 @@
 //! taskbroker: consumes task activations from Kafka, keeps each in-flight
 //! activation in a SQL store, delivers it to workers over gRPC and tracks its
-//! outcome. See DESIGN.md for the architecture; dependencies point one way:
-//! `broker` → `actors` → `store` → `model` → `proto`; `config` and
-//! `metrics` are leaves that import nothing of the crate.
+//! outcome. See DESIGN.md for the architecture; dependencies point one way
+//! (tests/architecture.rs checks it):
+//!
+//! - `broker` assembles everything; `grpc` (the server) and `http` answer
+//!   from the actors;
+//! - `actors` use `store`, `wire` (signing, the PushTask client), `kafka`;
+//! - `store` persists and fences `model` values; `model` uses only `proto`;
+//! - `config`, `metrics` and `supervisor` are leaves: they import nothing of
+//!   the crate.
 
 pub mod actors;
 pub mod broker;

@@ -664,7 +664,7 @@ fn docs_configuration_md_matches_the_settings_table() {
     let committed = std::fs::read_to_string(path).unwrap_or_default();
     assert!(
         committed == reference_markdown(),
-        "docs/configuration.md is out of date with src/config/mod.rs; regenerate it with \
+        "docs/configuration.md is out of date with src/config/settings.rs; regenerate it with \
          `cargo run -- config --markdown > docs/configuration.md`"
     );
 }

@@ -52,7 +52,11 @@ impl PushPipelineConfig {
                 backoff: config.fetch_backoff,
                 queue_timeout: config.push_queue_timeout,
                 lease: config.claim_lease(),
-                release_on_full: !config.bench_disable_release_on_full,
+                #[cfg(not(feature = "test-hooks"))]
+                release_on_full: true,
+                // Only a `test-hooks` build can turn it off (the stranded-claim benchmark).
+                #[cfg(feature = "test-hooks")]
+                release_on_full: !crate::config::test_hooks::disable_release_on_full(),
             },
             push: PushPoolConfig {
                 concurrency: config.push_concurrency,
@@ -183,6 +187,7 @@ impl ConsumerConfig {
             stop_grace: config.shutdown_timeout.saturating_sub(config.push_timeout) / 2,
             max_activation_bytes: config.max_activation_bytes,
             health,
+            #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
         }
     }

@@ -123,10 +123,13 @@ fn main() -> ExitCode {
     for variable in unknown_variables(std::env::vars().map(|(name, _)| name)) {
         tracing::warn!(%variable, "unknown TASKBROKER_ variable ignored (typo?)");
     }
-    if config.bench_disable_release_on_full {
+    // The benchmark's text search for this warning is how it knows the switch took effect.
+    #[cfg(feature = "test-hooks")]
+    if taskbroker::config::test_hooks::disable_release_on_full() {
         tracing::warn!(
-            "TASKBROKER_BENCH_DISABLE_RELEASE_ON_FULL is set: claims that cannot be handed to \
-             the push pool wait for their lease (benchmark switch, never for production)"
+            "TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL=true: claims that cannot be handed to the \
+             push pool wait for their lease (test-hooks build, benchmark switch, never for \
+             production)"
         );
     }
     let outcome = match cli.command.unwrap_or(Command::Run) {

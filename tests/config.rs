@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use taskbroker::config::{
-    AutoOffsetReset, CLAIM_LEASE_MARGIN, Config, ConfigError, DeliveryMode, ENV_PREFIX, LogFormat,
-    REDACTED, SETTINGS, WorkerEndpoints, reference_markdown, unknown_variables,
+    Allowed, AutoOffsetReset, CLAIM_LEASE_MARGIN, Config, ConfigError, DeliveryMode, ENV_PREFIX,
+    LogFormat, REDACTED, SETTINGS, WorkerEndpoints, reference_markdown, unknown_variables,
 };
 
 /// Worker endpoints push mode (the default) requires; tests that are not
@@ -664,7 +664,7 @@ fn docs_configuration_md_matches_the_settings_table() {
     let committed = std::fs::read_to_string(path).unwrap_or_default();
     assert!(
         committed == reference_markdown(),
-        "docs/configuration.md is out of date with src/config/mod.rs; regenerate it with \
+        "docs/configuration.md is out of date with src/config/settings.rs; regenerate it with \
          `cargo run -- config --markdown > docs/configuration.md`"
     );
 }
@@ -682,4 +682,107 @@ fn docs_table_has_one_row_per_setting() {
         );
     }
     assert!(markdown.contains("With the defaults that is 27000 ms."));
+}
+
+/// A valid value for the `index`-th setting that differs from its default and, for numbers,
+/// from every other setting's, so a field wired to the wrong setting would show another value.
+fn distinct_value(index: usize, allowed: Allowed) -> String {
+    let i = index as u64;
+    match allowed {
+        // Small numbers: the queue and concurrency settings then keep the lease formula far
+        // below any lease; the top of each range for durations keeps shutdown above the push
+        // timeout and the lease above its minimum.
+        Allowed::Integer { min, max } => (min + 2 + i).min(max).to_string(),
+        Allowed::PowerOfTwo { max, .. } => max.to_string(),
+        Allowed::Millis { max, .. } | Allowed::Seconds { max, .. } => (max - i).to_string(),
+        Allowed::Bool => "true".to_owned(),
+        Allowed::OneOf(words) => words[1].to_owned(),
+        Allowed::Url { schemes } => format!("{}://user:pw@db-{i}/tasks", schemes[0]),
+        Allowed::SocketAddr => format!("127.0.0.{}:{}", i + 1, 20_000 + i),
+        Allowed::HostPort => format!("host-{i}:{}", 20_000 + i),
+        Allowed::HostPortList => format!("kafka-{i}:9092,kafka-{i}b:9093"),
+        Allowed::KafkaTopic => format!("topic-{i}"),
+        Allowed::KafkaProperties => format!("client.id=c{i},sasl.password=p{i}"),
+        Allowed::List => format!("secret-{i},old-{i}"),
+        Allowed::WorkerEndpoints => format!("*=http://worker-{i}:50052"),
+        Allowed::Text => format!("text-{i}"),
+    }
+}
+
+/// Each setting's value reaches its own `Config` field and renders back from it: for an
+/// environment that sets every setting to a distinct non-default value, every line of
+/// `render_effective` shows exactly that value (secrets: `<redacted>`), none a placeholder, a
+/// default or a derived value. A declaration whose parsing, field or rendering disagree fails
+/// here for that setting.
+#[test]
+fn every_setting_renders_the_value_it_was_given() {
+    let env: Vec<(String, String)> = SETTINGS
+        .iter()
+        .enumerate()
+        .map(|(i, setting)| (setting.variable(), distinct_value(i, setting.allowed)))
+        .collect();
+    for (setting, (_, value)) in SETTINGS.iter().zip(&env) {
+        assert_ne!(
+            value, setting.default,
+            "{} needs a non-default value",
+            setting.name
+        );
+    }
+    let vars: Vec<(&str, &str)> = env.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+    let config = parse_ok(&vars);
+    let rendered = config.render_effective();
+    let lines: Vec<&str> = rendered.lines().collect();
+    assert_eq!(lines.len(), SETTINGS.len(), "{rendered}");
+    for ((setting, (variable, given)), line) in SETTINGS.iter().zip(&env).zip(lines) {
+        let expected = if setting.secret {
+            REDACTED
+        } else {
+            given.as_str()
+        };
+        assert_eq!(line, format!("{variable}={expected}"), "{}", setting.name);
+    }
+    // Two settings of one type read into each other's field would also differ here.
+    assert_eq!(
+        config.fetch_batch_size.to_string(),
+        vars_value(&env, "FETCH_BATCH_SIZE")
+    );
+    assert_eq!(
+        config.insert_batch_size.to_string(),
+        vars_value(&env, "INSERT_BATCH_SIZE")
+    );
+}
+
+fn vars_value(env: &[(String, String)], name: &str) -> String {
+    let variable = format!("{ENV_PREFIX}{name}");
+    env.iter()
+        .find(|(n, _)| *n == variable)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("{variable} is not set"))
+}
+
+/// The stranded-claim benchmark's switch is no longer a setting: it is not documented, and
+/// its old name is reported as unknown like any typo.
+#[test]
+fn the_bench_switch_is_not_a_setting() {
+    assert!(SETTINGS.iter().all(|s| !s.name.contains("RELEASE_ON_FULL")));
+    assert!(!reference_markdown().contains("RELEASE_ON_FULL"));
+    assert_eq!(
+        unknown_variables(["TASKBROKER_BENCH_DISABLE_RELEASE_ON_FULL".to_owned()]),
+        vec!["TASKBROKER_BENCH_DISABLE_RELEASE_ON_FULL"]
+    );
+    let rendered =
+        parse_ok(&[("TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL", "true")]).render_effective();
+    assert!(!rendered.contains("RELEASE_ON_FULL"), "{rendered}");
+}
+
+/// The test switch is known exactly when the `test-hooks` feature compiles it in; otherwise
+/// it is an unknown variable like any other.
+#[test]
+fn the_test_switch_is_known_only_in_a_test_hooks_build() {
+    let unknown = unknown_variables(["TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL".to_owned()]);
+    if cfg!(feature = "test-hooks") {
+        assert!(unknown.is_empty(), "{unknown:?}");
+    } else {
+        assert_eq!(unknown, vec!["TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL"]);
+    }
 }

@@ -336,6 +336,8 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
 /// The stranded-claim benchmark's "before" switch really restores the older
 /// behaviour: with release-on-full off, a batch that cannot be submitted
 /// keeps its claims (held by nobody) instead of returning them to Pending.
+/// The switch is read only in a `test-hooks` build.
+#[cfg(feature = "test-hooks")]
 #[actix_rt::test]
 async fn bench_switch_leaves_unsubmitted_claims_to_their_lease() {
     let harness = Harness::new().await;

@@ -54,9 +54,10 @@ pub struct FetchConfig {
     pub backoff: Duration,
     pub queue_timeout: Duration,
     pub lease: Duration,
-    /// `false` only in the stranded-claim benchmark
-    /// (`BENCH_DISABLE_RELEASE_ON_FULL`): a batch that cannot be submitted
-    /// keeps its claims until their lease runs out, as in the older design.
+    /// `false` only in the stranded-claim benchmark and its test, and read
+    /// only in a `test-hooks` build (`TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL`):
+    /// a batch that cannot be submitted keeps its claims until their lease
+    /// runs out, as in the older design.
     pub release_on_full: bool,
 }
 
@@ -324,6 +325,7 @@ impl Submitter {
             .chain(rest)
             .map(|message| message.claim)
             .collect();
+        #[cfg(feature = "test-hooks")]
         if !self.config.release_on_full {
             // The benchmark's "before" picture: the claims stay until upkeep
             // finds their lease expired (counted then as `lease_expired`).

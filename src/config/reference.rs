@@ -9,7 +9,7 @@ The broker reads these environment variables at startup; a bad value stops it wi
 naming the variable, the value and what is allowed. `taskbroker config` prints the effective \
 configuration with secrets redacted.
 
-This file is generated from `src/config/mod.rs`: regenerate it with
+This file is generated from `src/config/settings.rs`: regenerate it with
 `cargo run -- config --markdown > docs/configuration.md`.
 
 ";

@@ -42,6 +42,7 @@ impl MockKafka {
             max_inflight: 1_000_000,
             max_delay: Duration::from_secs(3600),
             max_activation_bytes: 1 << 20,
+            #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
             health: Default::default(),
             stop_grace: MIN_STOP_GRACE,

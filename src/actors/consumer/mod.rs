@@ -93,8 +93,10 @@ pub struct ConsumerConfig {
     pub max_activation_bytes: usize,
     /// Where assignments are reported (readiness waits for the first).
     pub health: Health,
-    /// Test-only switch: after this many stored batches the loop stops
-    /// without committing, as if the process died between insert and commit.
+    /// Test-only switch (`test-hooks` builds only): after this many stored
+    /// batches the loop stops without committing, as if the process died
+    /// between insert and commit.
+    #[cfg(feature = "test-hooks")]
     pub crash_before_commit_after: Option<u64>,
     /// Once stop is requested, how much longer the last writes (the batch
     /// being inserted, the final flush's insert and dead-letter writes) may
@@ -218,6 +220,7 @@ enum Flushed {
     /// was committed.
     GaveUp,
     /// The test-only crash switch fired.
+    #[cfg(feature = "test-hooks")]
     Crashed,
 }
 
@@ -294,6 +297,8 @@ struct ConsumeLoop {
     paused: bool,
     /// In-flight rows: last count read plus rows stored since.
     inflight: u64,
+    /// Batches stored so far, for the crash switch.
+    #[cfg(feature = "test-hooks")]
     batches_stored: u64,
 }
 
@@ -348,6 +353,7 @@ impl ConsumeLoop {
             held: false,
             paused: false,
             inflight: 0,
+            #[cfg(feature = "test-hooks")]
             batches_stored: 0,
         })
     }
@@ -595,14 +601,17 @@ impl ConsumeLoop {
         metrics
             .with_label_values(&["duplicate"])
             .inc_by(read - refused - stored);
-        self.batches_stored += 1;
-        if self
-            .config
-            .crash_before_commit_after
-            .is_some_and(|limit| self.batches_stored >= limit)
+        #[cfg(feature = "test-hooks")]
         {
-            tracing::warn!("test switch: stopping between insert and commit");
-            return Flushed::Crashed;
+            self.batches_stored += 1;
+            if self
+                .config
+                .crash_before_commit_after
+                .is_some_and(|limit| self.batches_stored >= limit)
+            {
+                tracing::warn!("test switch: stopping between insert and commit");
+                return Flushed::Crashed;
+            }
         }
         self.ownership.settled(&offsets);
         self.commit(&offsets, mode);

@@ -428,6 +428,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
             max_inflight: u64::MAX,
             max_delay: Duration::from_secs(3600),
             max_activation_bytes: 1 << 20,
+            #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
             health: Default::default(),
             stop_grace: Duration::from_secs(1),

@@ -7,8 +7,10 @@
 //! SIGSTOPs it (the kernel still accepts connections, so pushes hang until
 //! their timeout and fill the push pool) and SIGCONTs it.
 //! `--no-release-on-full` runs the broker with
-//! `TASKBROKER_BENCH_DISABLE_RELEASE_ON_FULL`: claims the full pool cannot
-//! take wait for their lease, as in the older design.
+//! `TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL=true`: claims the full pool
+//! cannot take wait for their lease, as in the older design. Only a broker
+//! built with `--features test-hooks` reads that switch; the run stops when
+//! the broker does not confirm it at startup.
 //!
 //! Sampled every `--sample-ms`: the broker's
 //! `taskbroker_pending_activation_max_lag_seconds`, the oldest Claimed
@@ -27,6 +29,29 @@ use crate::harness::{
     run_id, signal,
 };
 
+/// The broker's test switch behind `--no-release-on-full` (read only by a
+/// broker built with the `test-hooks` feature).
+const DISABLE_RELEASE_ON_FULL: &str = "TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL";
+
+/// A broker built without `test-hooks` ignores the switch (it warns about an
+/// unknown variable) and would release claims as usual, so the "before"
+/// picture would silently show the "after" one. A broker that reads it says
+/// so in its startup warning, which the log holds by the time `/health`
+/// answers.
+fn confirm_release_on_full_is_off(broker: &BrokerProcess) -> Result<(), String> {
+    let log = std::fs::read_to_string(&broker.log).unwrap_or_default();
+    if log.contains(&format!("{DISABLE_RELEASE_ON_FULL}=true")) {
+        return Ok(());
+    }
+    Err(format!(
+        "--no-release-on-full needs a broker built with the `test-hooks` feature \
+         (`cargo build --release --features test-hooks`): this broker did not confirm \
+         {DISABLE_RELEASE_ON_FULL}=true at startup (or TASKBROKER_LOG hides its warnings); \
+         its log: {}",
+        broker.log.display()
+    ))
+}
+
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outage {
     /// SIGKILL: connections refused, pushes fail at once.
@@ -40,6 +65,7 @@ pub struct StrandedArgs {
     #[arg(long, value_enum)]
     pub outage: Outage,
     /// Leave claims the full pool cannot take to their lease (older design).
+    /// Needs a broker built with `cargo build --release --features test-hooks`.
     #[arg(long)]
     pub no_release_on_full: bool,
     #[arg(long, default_value_t = 500)]
@@ -110,16 +136,13 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
         .collect();
 
     let mut env = broker_env(scratch, &kafka, &topics);
-    env.extend([
-        (
-            "TASKBROKER_WORKER_ENDPOINTS".to_owned(),
-            format!("*={}", urls.join("|")),
-        ),
-        (
-            "TASKBROKER_BENCH_DISABLE_RELEASE_ON_FULL".to_owned(),
-            args.no_release_on_full.to_string(),
-        ),
-    ]);
+    env.push((
+        "TASKBROKER_WORKER_ENDPOINTS".to_owned(),
+        format!("*={}", urls.join("|")),
+    ));
+    if args.no_release_on_full {
+        env.push((DISABLE_RELEASE_ON_FULL.to_owned(), "true".to_owned()));
+    }
     if std::env::var_os("TASKBROKER_UPKEEP_INTERVAL_MS").is_none() {
         env.push(("TASKBROKER_UPKEEP_INTERVAL_MS".to_owned(), "250".to_owned()));
     }
@@ -139,6 +162,9 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
     let legitimate = config.push_queue_timeout + config.push_timeout * (1 + rounds);
 
     let broker = BrokerProcess::start(&env, run).await?;
+    if args.no_release_on_full {
+        confirm_release_on_full_is_off(&broker)?;
+    }
     broker.wait_assigned(Duration::from_secs(60)).await?;
     let db = connect(url).await?;
 

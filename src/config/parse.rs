@@ -1,0 +1,281 @@
+//! Reading the environment into typed values: every setting is parsed on its own by its
+//! [`Allowed`] constraint into a [`Value`], the checks across settings run on whichever parsed,
+//! and only then are the values moved into their `Config` fields (the `into_config` the
+//! `settings!` macro generates, through [`Key`]s typed like the fields).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::endpoints::WorkerEndpoints;
+use super::error::{ConfigError, Problem};
+use super::settings::{DeliveryMode, key};
+use super::{ENV_PREFIX, SETTINGS, legitimate_push_path, setting};
+
+/// A parsed value before it is moved into its typed `Config` field.
+#[derive(Debug, Clone)]
+pub(super) enum Value {
+    Unset,
+    Int(u64),
+    Duration(Duration),
+    Bool(bool),
+    Word(&'static str),
+    Text(String),
+    List(Vec<String>),
+    Pairs(Vec<(String, String)>),
+    Addr(SocketAddr),
+    Endpoints(WorkerEndpoints),
+}
+
+/// Conversion from a parsed [`Value`] into a `Config` field type; `None` means the table and
+/// the field disagree (a bug in this module).
+pub(super) trait FromValue: Sized {
+    fn from_value(value: Value) -> Option<Self>;
+}
+
+impl<T: FromValue> FromValue for Option<T> {
+    fn from_value(value: Value) -> Option<Self> {
+        match value {
+            Value::Unset => Some(None),
+            value => T::from_value(value).map(Some),
+        }
+    }
+}
+
+/// Implements [`FromValue`] for a field type from the `Value` variants it accepts.
+macro_rules! from_value {
+    ($($ty:ty { $($pattern:pat => $convert:expr),+ $(,)? })+) => {
+        $(impl FromValue for $ty {
+            fn from_value(value: Value) -> Option<Self> {
+                match value {
+                    $($pattern => $convert,)+
+                    _ => None,
+                }
+            }
+        })+
+    };
+}
+
+from_value! {
+    u32 { Value::Int(n) => u32::try_from(n).ok() }
+    usize { Value::Int(n) => usize::try_from(n).ok() }
+    Duration { Value::Duration(duration) => Some(duration) }
+    bool { Value::Bool(flag) => Some(flag) }
+    String { Value::Text(text) => Some(text) }
+    PathBuf { Value::Text(text) => Some(PathBuf::from(text)) }
+    SocketAddr { Value::Addr(addr) => Some(addr) }
+    WorkerEndpoints {
+        Value::Unset => Some(WorkerEndpoints::default()),
+        Value::Endpoints(endpoints) => Some(endpoints),
+    }
+    Vec<String> {
+        Value::Unset => Some(Vec::new()),
+        Value::List(items) => Some(items),
+    }
+    Vec<(String, String)> {
+        Value::Unset => Some(Vec::new()),
+        Value::Pairs(pairs) => Some(pairs),
+    }
+}
+
+/// One setting's parsed value, typed like its `Config` field: `settings!` generates one per
+/// setting in `settings::key`, so a check across settings cannot misspell a name or read a
+/// value as the wrong type.
+pub(super) struct Key<T> {
+    name: &'static str,
+    field: PhantomData<fn() -> T>,
+}
+
+impl<T> Key<T> {
+    pub(super) const fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            field: PhantomData,
+        }
+    }
+
+    /// The setting's name without the prefix.
+    pub(super) const fn name(self) -> &'static str {
+        self.name
+    }
+}
+
+// Not derived: a derive would ask `T: Copy` of the field type.
+impl<T> Clone for Key<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Key<T> {}
+
+/// Every setting parsed on its own, plus the problems found so far.
+pub(super) struct Values {
+    parsed: HashMap<&'static str, Value>,
+    problems: Vec<Problem>,
+}
+
+impl Values {
+    pub(super) fn read(lookup: &dyn Fn(&str) -> Option<String>) -> Self {
+        let mut values = Values {
+            parsed: HashMap::with_capacity(SETTINGS.len()),
+            problems: Vec::new(),
+        };
+        for setting in SETTINGS {
+            let given = lookup(&setting.variable())
+                .map(|value| value.trim().to_owned())
+                .filter(|value| !value.is_empty());
+            let raw = given.as_deref().unwrap_or(setting.default);
+            if raw.is_empty() {
+                values.parsed.insert(setting.name, Value::Unset);
+                continue;
+            }
+            match setting.allowed.parse(raw) {
+                Ok(value) => {
+                    values.parsed.insert(setting.name, value);
+                }
+                Err(detail) => {
+                    let mut message = format!("must be {}", setting.allowed.describe());
+                    if let Some(detail) = detail {
+                        let _ = write!(message, " ({detail})");
+                    }
+                    values.problems.push(Problem::new(setting, raw, message));
+                }
+            }
+        }
+        values
+    }
+
+    /// A valid value converted to `T`; `None` when the setting itself was invalid.
+    fn peek<T: FromValue>(&self, key: Key<T>) -> Option<T> {
+        self.parsed.get(key.name).cloned().and_then(T::from_value)
+    }
+
+    /// Checks that involve more than one setting, on whichever of them parsed.
+    fn check_combinations(&mut self) {
+        let push_timeout = self.peek(key::PUSH_TIMEOUT_MS);
+        let queue_timeout = self.peek(key::PUSH_QUEUE_TIMEOUT_MS);
+
+        let lease = self.peek(key::CLAIM_LEASE_MS).flatten();
+        // A queue setting that is itself invalid (and reported) counts at its
+        // smallest, so the lease is still checked against a lower bound.
+        let queue_size = self.peek(key::PUSH_QUEUE_SIZE).unwrap_or(0);
+        let fetch_actors = self.peek(key::FETCH_ACTORS).unwrap_or(0);
+        let concurrency = self
+            .peek(key::PUSH_CONCURRENCY)
+            .unwrap_or(queue_size + fetch_actors + 1);
+        if let (Some(lease), Some(queue_timeout), Some(push_timeout)) =
+            (lease, queue_timeout, push_timeout)
+        {
+            let minimum = legitimate_push_path(
+                queue_timeout,
+                queue_size,
+                fetch_actors,
+                concurrency,
+                push_timeout,
+            );
+            if lease < minimum {
+                self.conflict(
+                    key::CLAIM_LEASE_MS,
+                    lease.as_millis().to_string(),
+                    format!(
+                        "must be at least {ENV_PREFIX}PUSH_QUEUE_TIMEOUT_MS + \
+                         ⌈({ENV_PREFIX}PUSH_QUEUE_SIZE + {ENV_PREFIX}FETCH_ACTORS + 1) / \
+                         {ENV_PREFIX}PUSH_CONCURRENCY⌉ × {ENV_PREFIX}PUSH_TIMEOUT_MS + \
+                         {ENV_PREFIX}PUSH_TIMEOUT_MS = {} + ⌈({} + {} + 1) / {}⌉ × {} + {} = {} ms, \
+                         or unset to derive it, so a claim cannot expire while its push may \
+                         still succeed",
+                        queue_timeout.as_millis(),
+                        queue_size,
+                        fetch_actors,
+                        concurrency,
+                        push_timeout.as_millis(),
+                        push_timeout.as_millis(),
+                        minimum.as_millis(),
+                    ),
+                );
+            }
+        }
+
+        let mode = self.peek(key::DELIVERY_MODE);
+        let endpoints = self.peek(key::WORKER_ENDPOINTS);
+        if let (Some(DeliveryMode::Push), Some(endpoints)) = (mode, endpoints)
+            && endpoints.is_empty()
+        {
+            self.conflict(
+                key::WORKER_ENDPOINTS,
+                String::new(),
+                format!(
+                    "is required when {ENV_PREFIX}DELIVERY_MODE=push: name the workers to push \
+                     to, e.g. `*=http://worker:50052`, or set {ENV_PREFIX}DELIVERY_MODE=pull"
+                ),
+            );
+        }
+
+        let shutdown_timeout = self.peek(key::SHUTDOWN_TIMEOUT_MS);
+        if let (Some(shutdown_timeout), Some(push_timeout)) = (shutdown_timeout, push_timeout)
+            && shutdown_timeout <= push_timeout
+        {
+            self.conflict(
+                key::SHUTDOWN_TIMEOUT_MS,
+                shutdown_timeout.as_millis().to_string(),
+                format!(
+                    "must be greater than {ENV_PREFIX}PUSH_TIMEOUT_MS={}, so pushes in flight \
+                     can finish and claims be released before the deadline",
+                    push_timeout.as_millis(),
+                ),
+            );
+        }
+
+        let grpc = self.peek(key::GRPC_ADDR);
+        let metrics = self.peek(key::METRICS_ADDR);
+        if let (Some(grpc), Some(metrics)) = (grpc, metrics)
+            && grpc.port() == metrics.port()
+            // Port 0 asks the system for a free port: never the same one.
+            && grpc.port() != 0
+            && (grpc.ip() == metrics.ip()
+                || grpc.ip().is_unspecified()
+                || metrics.ip().is_unspecified())
+        {
+            self.conflict(
+                key::METRICS_ADDR,
+                metrics.to_string(),
+                format!("must not take the port of {ENV_PREFIX}GRPC_ADDR={grpc}"),
+            );
+        }
+    }
+
+    fn conflict<T>(&mut self, key: Key<T>, value: String, message: String) {
+        let problem = match setting(key.name) {
+            Some(setting) => Problem::new(setting, &value, message),
+            None => Problem::internal(key.name, "checked setting is not in SETTINGS"),
+        };
+        self.problems.push(problem);
+    }
+
+    /// Moves the value of `key` into its typed field.
+    pub(super) fn take<T: FromValue>(&mut self, key: Key<T>) -> Result<T, Problem> {
+        let value = self
+            .parsed
+            .remove(key.name)
+            .ok_or_else(|| Problem::internal(key.name, "read twice or not in SETTINGS"))?;
+        T::from_value(value)
+            .ok_or_else(|| Problem::internal(key.name, "value does not fit its Config field"))
+    }
+
+    /// Runs the checks across settings; the values if nothing was refused, else every
+    /// problem: each setting on its own in table order, then the checks across settings.
+    pub(super) fn checked(mut self) -> Result<Self, ConfigError> {
+        self.check_combinations();
+        if self.problems.is_empty() {
+            Ok(self)
+        } else {
+            Err(ConfigError {
+                problems: self.problems,
+            })
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! Every setting, declared once: the [`settings!`] list below is the single source of truth
+//! for the table ([`SETTINGS`]), the [`Config`] fields, parsing into them and rendering them
+//! back. Adding a setting is one entry here (plus, for a check across settings, a few lines in
+//! `parse.rs`); `docs/configuration.md` is regenerated from it.
+
+use std::fmt::{self, Display};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::ENV_PREFIX;
+use super::allowed::{Allowed, Setting};
+use super::declare::{settings, word_enum};
+use super::endpoints::WorkerEndpoints;
+use super::error::ConfigError;
+use super::parse::{FromValue, Key, Value, Values};
+
+word_enum! {
+    /// How activations reach workers.
+    DeliveryMode {
+        /// The broker claims activations and pushes them to `WORKER_ENDPOINTS`.
+        Push = "push",
+        /// Workers fetch activations with GetTask.
+        Pull = "pull",
+    }
+}
+
+word_enum! {
+    /// Format of log lines.
+    LogFormat {
+        /// Human-readable lines.
+        Text = "text",
+        /// One JSON object per line.
+        Json = "json",
+    }
+}
+
+word_enum! {
+    /// Where the consumer starts on a partition without a committed offset; `as_str` is the
+    /// librdkafka `auto.offset.reset` value.
+    AutoOffsetReset {
+        Earliest = "earliest",
+        Latest = "latest",
+    }
+}
+
+settings! {
+    delivery_mode: DeliveryMode = DELIVERY_MODE {
+        default: "push",
+        allowed: Allowed::OneOf(DeliveryMode::WORDS),
+        secret: false,
+        render: text,
+        description: "`push`: the broker pushes activations to `WORKER_ENDPOINTS`; `pull`: workers fetch them with GetTask.",
+    },
+    /// `None` means the embedded SQLite store. Secret.
+    database_url: Option<String> = DATABASE_URL {
+        default: "",
+        allowed: Allowed::Url { schemes: &["postgres", "postgresql"] },
+        secret: true,
+        render: Option::clone,
+        description: "PostgreSQL connection URL shared by all replicas; unset = embedded SQLite at `SQLITE_PATH` (single node).",
+    },
+    sqlite_path: PathBuf = SQLITE_PATH {
+        default: "./taskbroker.sqlite",
+        allowed: Allowed::Text,
+        secret: false,
+        render: |path| text(&path.display()),
+        description: "File of the embedded SQLite store (WAL mode: `-wal` and `-shm` files sit beside it), created if missing; used only when `DATABASE_URL` is unset. Its directory must exist; one broker process per file (a second one refuses to start: the first holds `<file>.lock`).",
+    },
+    db_pool_size: usize = DB_POOL_SIZE {
+        default: "16",
+        allowed: Allowed::Integer { min: 1, max: 512 },
+        secret: false,
+        render: text,
+        description: "Most PostgreSQL connections the broker holds open. With SQLite: read-only connections (at most 8) beside the one writer.",
+    },
+    db_async_commit: bool = DB_ASYNC_COMMIT {
+        default: "false",
+        allowed: Allowed::Bool,
+        secret: false,
+        render: text,
+        description: "Commit replayable transitions (claim, mark processing, removal of finished rows) asynchronously: faster, but after a database crash some tasks run twice (none is lost); inserts and worker results stay durable. With SQLite, transactions holding only replayable transitions commit with `synchronous = NORMAL` instead of `FULL`.",
+    },
+    /// Comma-separated, as librdkafka's `bootstrap.servers` takes it.
+    kafka_brokers: String = KAFKA_BROKERS {
+        default: "127.0.0.1:9092",
+        allowed: Allowed::HostPortList,
+        secret: false,
+        render: text,
+        description: "Kafka bootstrap servers.",
+    },
+    kafka_topic: String = KAFKA_TOPIC {
+        default: "taskworker",
+        allowed: Allowed::KafkaTopic,
+        secret: false,
+        render: text,
+        description: "Topic the task activations are consumed from.",
+    },
+    kafka_consumer_group: String = KAFKA_CONSUMER_GROUP {
+        default: "taskbroker",
+        allowed: Allowed::Text,
+        secret: false,
+        render: text,
+        description: "Kafka consumer group; replicas in the same group split the partitions.",
+    },
+    /// As given; use [`Config::retry_topic`].
+    kafka_retry_topic: Option<String> = KAFKA_RETRY_TOPIC {
+        default: "",
+        allowed: Allowed::KafkaTopic,
+        secret: false,
+        render: Option::clone,
+        description: "Topic retried activations are produced to; unset = `KAFKA_TOPIC`.",
+    },
+    kafka_dlq_topic: String = KAFKA_DLQ_TOPIC {
+        default: "taskworker-dlq",
+        allowed: Allowed::KafkaTopic,
+        secret: false,
+        render: text,
+        description: "Topic failed activations with `on_attempts_exceeded` = DEADLETTER are produced to.",
+    },
+    kafka_ingest_dlq_topic: String = KAFKA_INGEST_DLQ_TOPIC {
+        default: "taskworker-ingest-dlq",
+        allowed: Allowed::KafkaTopic,
+        secret: false,
+        render: text,
+        description: "Topic consumed records that cannot be decoded or fail validation are produced to, with their original bytes.",
+    },
+    kafka_auto_offset_reset: AutoOffsetReset = KAFKA_AUTO_OFFSET_RESET {
+        default: "earliest",
+        allowed: Allowed::OneOf(AutoOffsetReset::WORDS),
+        secret: false,
+        render: text,
+        description: "Where the consumer starts on a partition without a committed offset.",
+    },
+    /// In the given order. Secret.
+    kafka_config: Vec<(String, String)> = KAFKA_CONFIG {
+        default: "",
+        allowed: Allowed::KafkaProperties,
+        secret: true,
+        render: |items| pairs(items),
+        description: "Extra librdkafka properties for the consumer and the producers, e.g. `sasl.mechanism=PLAIN,sasl.username=u,sasl.password=p`. TLS (`security.protocol=SSL` or `SASL_SSL`) is not available: this build compiles librdkafka without OpenSSL.",
+    },
+    grpc_addr: SocketAddr = GRPC_ADDR {
+        default: "0.0.0.0:50051",
+        allowed: Allowed::SocketAddr,
+        secret: false,
+        render: text,
+        description: "Address the gRPC server (ConsumerService, health) listens on.",
+    },
+    /// As given; use [`Config::advertised_addr`].
+    grpc_advertised_addr: Option<String> = GRPC_ADVERTISED_ADDR {
+        default: "",
+        allowed: Allowed::HostPort,
+        secret: false,
+        render: Option::clone,
+        description: "Address workers reach this broker at, sent as `callback_url` in PushTask; unset = host name and the `GRPC_ADDR` port.",
+    },
+    metrics_addr: SocketAddr = METRICS_ADDR {
+        default: "0.0.0.0:9090",
+        allowed: Allowed::SocketAddr,
+        secret: false,
+        render: text,
+        description: "Address the Prometheus `/metrics` endpoint listens on.",
+    },
+    /// Empty means signing is off. Secret.
+    grpc_shared_secrets: Vec<String> = GRPC_SHARED_SECRETS {
+        default: "",
+        allowed: Allowed::List,
+        secret: true,
+        render: |items| list(items),
+        description: "Request-signing secrets: a request signed with any of them is accepted, pushes are signed with the first; unset = signing off.",
+    },
+    grpc_max_request_bytes: usize = GRPC_MAX_REQUEST_BYTES {
+        default: "4194304",
+        allowed: Allowed::Integer { min: 1024, max: 268_435_456 },
+        secret: false,
+        render: text,
+        description: "Largest gRPC request message the broker accepts.",
+    },
+    worker_endpoints: WorkerEndpoints = WORKER_ENDPOINTS {
+        default: "",
+        allowed: Allowed::WorkerEndpoints,
+        secret: false,
+        render: |endpoints| text(&endpoints.redacted()),
+        description: "Push mode (required there): worker URLs per application; `*` serves applications without their own entry; pushes are spread over an application's URLs.",
+    },
+    fetch_actors: usize = FETCH_ACTORS {
+        default: "2",
+        allowed: Allowed::PowerOfTwo { min: 1, max: 256 },
+        secret: false,
+        render: text,
+        description: "Number of FetchActors; each claims from an equal share of the 256 buckets.",
+    },
+    fetch_batch_size: usize = FETCH_BATCH_SIZE {
+        default: "64",
+        allowed: Allowed::Integer { min: 1, max: 1024 },
+        secret: false,
+        render: text,
+        description: "Most Pending activations a FetchActor claims in one statement.",
+    },
+    fetch_backoff: Duration = FETCH_BACKOFF_MS {
+        default: "100",
+        allowed: Allowed::Millis { min: 1, max: 60_000 },
+        secret: false,
+        render: ms,
+        description: "Pause of a FetchActor after an empty claim or a failed submit to the push pool.",
+    },
+    push_concurrency: usize = PUSH_CONCURRENCY {
+        default: "64",
+        allowed: Allowed::Integer { min: 1, max: 4096 },
+        secret: false,
+        render: text,
+        description: "Most PushTask RPCs in flight at once.",
+    },
+    push_queue_size: usize = PUSH_QUEUE_SIZE {
+        default: "128",
+        allowed: Allowed::Integer { min: 1, max: 65_536 },
+        secret: false,
+        render: text,
+        description: "Mailbox capacity of the push pool: activations waiting for a push slot.",
+    },
+    push_queue_timeout: Duration = PUSH_QUEUE_TIMEOUT_MS {
+        default: "2000",
+        allowed: Allowed::Millis { min: 1, max: 300_000 },
+        secret: false,
+        render: ms,
+        description: "How long a FetchActor may take to hand its claimed batch to a full push pool, counted from the claim; what is not handed over by then is released in one statement.",
+    },
+    push_timeout: Duration = PUSH_TIMEOUT_MS {
+        default: "5000",
+        allowed: Allowed::Millis { min: 100, max: 300_000 },
+        secret: false,
+        render: ms,
+        description: "Deadline of one PushTask RPC.",
+    },
+    /// As given; use [`Config::claim_lease`].
+    claim_lease_override: Option<Duration> = CLAIM_LEASE_MS {
+        default: "",
+        allowed: Allowed::Millis { min: 1000, max: 86_400_000 },
+        secret: false,
+        render: |lease| lease.as_ref().and_then(ms),
+        description: "How long a claimed activation stays Claimed without a push result; unset = `PUSH_QUEUE_TIMEOUT_MS` + ⌈(`PUSH_QUEUE_SIZE` + `FETCH_ACTORS` + 1) / `PUSH_CONCURRENCY`⌉ × `PUSH_TIMEOUT_MS` + `PUSH_TIMEOUT_MS` + 5000; at least that without the 5000.",
+    },
+    insert_batch_size: usize = INSERT_BATCH_SIZE {
+        default: "256",
+        allowed: Allowed::Integer { min: 1, max: 1024 },
+        secret: false,
+        render: text,
+        description: "Most consumed activations written in one insert statement.",
+    },
+    insert_batch_max_wait: Duration = INSERT_BATCH_MAX_MS {
+        default: "0",
+        allowed: Allowed::Millis { min: 0, max: 10_000 },
+        secret: false,
+        render: ms,
+        description: "Longest a partial insert batch waits for more records. 0: it is written as soon as Kafka has no more records ready, so batches grow with the load (one record at a trickle, up to `INSERT_BATCH_SIZE` when records pile up while the previous insert runs) and a record waits for no timer; a positive value trades that latency for fewer, fuller inserts at low rates.",
+    },
+    max_activation_bytes: usize = MAX_ACTIVATION_BYTES {
+        default: "1048576",
+        allowed: Allowed::Integer { min: 1024, max: 67_108_864 },
+        secret: false,
+        render: text,
+        description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic, cut 4 KiB below this size. Every producer accepts records of this size plus 64 KiB (`message.max.bytes`) unless `KAFKA_CONFIG` sets it.",
+    },
+    max_inflight: usize = MAX_INFLIGHT {
+        default: "100000",
+        allowed: Allowed::Integer { min: 1, max: 100_000_000 },
+        secret: false,
+        render: text,
+        description: "High watermark of rows in the store; above it the consumer pauses its partitions.",
+    },
+    max_processing_attempts: u32 = MAX_PROCESSING_ATTEMPTS {
+        default: "5",
+        allowed: Allowed::Integer { min: 1, max: 1000 },
+        secret: false,
+        render: text,
+        description: "Processing attempts after which upkeep fails a Pending activation; releases of a claim never count.",
+    },
+    processing_deadline_grace: Duration = PROCESSING_DEADLINE_GRACE_SEC {
+        default: "3",
+        allowed: Allowed::Seconds { min: 0, max: 3600 },
+        secret: false,
+        render: secs,
+        description: "Added to an activation's `processing_deadline_duration` before upkeep treats it as overdue.",
+    },
+    max_delay: Duration = MAX_DELAY_SEC {
+        default: "3600",
+        allowed: Allowed::Seconds { min: 0, max: 2_592_000 },
+        secret: false,
+        render: secs,
+        description: "Longest `delay` or `delay_on_retry` honoured; longer delays are shortened to it.",
+    },
+    upkeep_interval: Duration = UPKEEP_INTERVAL_MS {
+        default: "1000",
+        allowed: Allowed::Millis { min: 10, max: 600_000 },
+        secret: false,
+        render: ms,
+        description: "Time between upkeep runs.",
+    },
+    upkeep_batch_limit: usize = UPKEEP_BATCH_LIMIT {
+        default: "1000",
+        allowed: Allowed::Integer { min: 1, max: 100_000 },
+        secret: false,
+        render: text,
+        description: "LIMIT of every upkeep statement, so one upkeep run stays bounded.",
+    },
+    restart_grace: Duration = RESTART_GRACE_SEC {
+        default: "60",
+        allowed: Allowed::Seconds { min: 0, max: 3600 },
+        secret: false,
+        render: secs,
+        description: "After startup, upkeep waits this long before expiring processing deadlines and claim leases, so workers can report results held while the broker was down.",
+    },
+    shutdown_timeout: Duration = SHUTDOWN_TIMEOUT_MS {
+        default: "30000",
+        allowed: Allowed::Millis { min: 1000, max: 600_000 },
+        secret: false,
+        render: ms,
+        description: "Longest a graceful shutdown (SIGTERM, SIGINT) may take; must exceed `PUSH_TIMEOUT_MS`.",
+    },
+    /// Its syntax is checked where the subscriber is built.
+    log: String = LOG {
+        default: "info",
+        allowed: Allowed::Text,
+        secret: false,
+        render: text,
+        description: "tracing filter directives, e.g. `info,taskbroker=debug`.",
+    },
+    log_format: LogFormat = LOG_FORMAT {
+        default: "text",
+        allowed: Allowed::OneOf(LogFormat::WORDS),
+        secret: false,
+        render: text,
+        description: "Log line format.",
+    },
+}
+
+/// Renders a value with its `Display` form.
+fn text(value: &impl Display) -> Option<String> {
+    Some(value.to_string())
+}
+
+/// A duration in whole milliseconds.
+fn ms(duration: &Duration) -> Option<String> {
+    Some(duration.as_millis().to_string())
+}
+
+/// A duration in whole seconds.
+fn secs(duration: &Duration) -> Option<String> {
+    Some(duration.as_secs().to_string())
+}
+
+/// Comma-separated items; `None` (unset) when there are none.
+fn list(items: &[String]) -> Option<String> {
+    (!items.is_empty()).then(|| items.join(","))
+}
+
+/// Comma-separated `key=value` pairs; `None` (unset) when there are none.
+fn pairs(pairs: &[(String, String)]) -> Option<String> {
+    list(
+        &pairs
+            .iter()
+            .map(|(key, value)| format!("{key}={value}"))
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// The table entry for `name` (without the prefix).
+pub fn setting(name: &str) -> Option<&'static Setting> {
+    SETTINGS.iter().find(|setting| setting.name == name)
+}
+
+/// The `TASKBROKER_*` names among `vars` that are not settings (typos), sorted, for a startup
+/// warning. `from_lookup` cannot enumerate the environment, so it cannot catch them itself.
+/// In a `test-hooks` build the test switches of [`test_hooks`](super::test_hooks) are known
+/// too; in any other build they are reported like every other unknown name.
+pub fn unknown_variables(vars: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut unknown: Vec<String> = vars
+        .into_iter()
+        .filter(|var| {
+            var.strip_prefix(ENV_PREFIX)
+                .is_some_and(|name| setting(name).is_none())
+        })
+        .filter(|var| !is_test_hook(var))
+        .collect();
+    unknown.sort();
+    unknown.dedup();
+    unknown
+}
+
+#[cfg(feature = "test-hooks")]
+fn is_test_hook(variable: &str) -> bool {
+    super::test_hooks::VARIABLES.contains(&variable)
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn is_test_hook(_variable: &str) -> bool {
+    false
+}

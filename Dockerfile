@@ -25,17 +25,20 @@ RUN apt-get update \
 
 WORKDIR /src
 # Only what `cargo build` reads; .dockerignore keeps target/ and .git out.
+# tools/ (the load harness and benchmarks, the workspace's other member) is
+# not built, but Cargo loads every member's manifest and targets to resolve
+# the workspace, so it must be there.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY migrations migrations
 COPY src src
-COPY benches benches
+COPY tools tools
 
 # Cache mounts keep the crate registry and the build directory between
 # builds; the binary is copied out of the cached target/ in the same step.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin taskbroker \
+    cargo build --release --locked -p taskbroker --bin taskbroker \
     && install -D -m 0755 target/release/taskbroker /out/taskbroker
 
 # --- runtime -----------------------------------------------------------------

@@ -13,7 +13,6 @@
 pub mod actors;
 pub mod broker;
 pub mod config;
-pub mod demo;
 pub mod grpc;
 pub mod http;
 pub mod kafka;

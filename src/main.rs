@@ -12,9 +12,11 @@
 //! way and exits 1, so the orchestrator restarts it. `taskbroker migrate` only applies
 //! migrations, and `taskbroker config` prints the effective configuration (secrets redacted)
 //! or, with `--markdown`, the configuration reference in docs/. `taskbroker demo` runs
-//! everything on one machine with nothing installed (src/demo/run.rs), `taskbroker
+//! everything on one machine with nothing installed (src/cli/demo/), `taskbroker
 //! demo-worker` serves a demo worker, and `taskbroker healthcheck` probes `/health` for
 //! container health checks.
+
+mod cli;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -24,9 +26,7 @@ use std::time::Duration;
 use taskbroker::actors::store::CountByStatus;
 use taskbroker::broker::Broker;
 
-use taskbroker::config::{Config, DeliveryMode, LogFormat, unknown_variables};
-use taskbroker::demo::run::DemoOptions;
-use taskbroker::demo::worker::{DemoWorker, Mode};
+use taskbroker::config::{Config, LogFormat, unknown_variables};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{
     ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
@@ -59,7 +59,7 @@ enum Command {
     /// Run the whole broker on an in-process mock Kafka cluster and an
     /// embedded store, with demo workers and a realistic task mix; exits 1
     /// if a task misses the outcome its kind should reach.
-    Demo(DemoArgs),
+    Demo(cli::demo::DemoArgs),
     /// Serve a demo WorkerService: accept pushed tasks, run them, report
     /// the outcome to the broker that pushed them.
     DemoWorker {
@@ -75,28 +75,6 @@ enum Command {
     Healthcheck,
 }
 
-#[derive(clap::Args)]
-struct DemoArgs {
-    /// Tasks to produce.
-    #[arg(long, default_value_t = 10_000)]
-    tasks: usize,
-    /// Demo workers (push: WorkerService servers; pull: GetTask clients).
-    #[arg(long, default_value_t = 4)]
-    workers: usize,
-    /// Delivery mode.
-    #[arg(long, default_value = "push", value_parser = ["push", "pull"])]
-    mode: String,
-    /// Tasks produced per second (default: as fast as possible).
-    #[arg(long)]
-    rate: Option<u64>,
-    /// Keep running after the summary, for browsing /metrics.
-    #[arg(long)]
-    hold: bool,
-    /// Give up after this many seconds (default: 60 + 1 s per 500 tasks).
-    #[arg(long)]
-    timeout_sec: Option<u64>,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -104,8 +82,10 @@ fn main() -> ExitCode {
             print!("{}", taskbroker::config::reference_markdown());
             return ExitCode::SUCCESS;
         }
-        Some(Command::Demo(args)) => return demo(args),
-        Some(Command::DemoWorker { listen, delay_ms }) => return demo_worker(listen, delay_ms),
+        Some(Command::Demo(args)) => return cli::demo::demo(args),
+        Some(Command::DemoWorker { listen, delay_ms }) => {
+            return cli::demo::demo_worker(listen, delay_ms);
+        }
         Some(Command::Healthcheck) => return healthcheck(),
         _ => {}
     }
@@ -255,79 +235,6 @@ async fn run(config: Config) -> Result<(), String> {
             config.shutdown_timeout.as_millis()
         )),
     }
-}
-
-fn demo(args: DemoArgs) -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
-        )
-        .try_init();
-    let mode = if args.mode == "pull" {
-        DeliveryMode::Pull
-    } else {
-        DeliveryMode::Push
-    };
-    let options = DemoOptions {
-        tasks: args.tasks,
-        workers: args.workers,
-        mode,
-        rate: args.rate,
-        hold: args.hold,
-        timeout: Duration::from_secs(
-            args.timeout_sec
-                .unwrap_or(60 + (args.tasks as u64).div_ceil(500)),
-        ),
-    };
-    match actix_rt::System::new().block_on(taskbroker::demo::run::run(options)) {
-        Ok(outcome) if outcome.passed => ExitCode::SUCCESS,
-        Ok(_) => ExitCode::FAILURE,
-        Err(message) => {
-            eprintln!("taskbroker demo: {message}");
-            ExitCode::from(2)
-        }
-    }
-}
-
-fn demo_worker(listen: std::net::SocketAddr, delay_ms: u64) -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .try_init();
-    let secrets: Vec<String> = std::env::var("TASKBROKER_GRPC_SHARED_SECRETS")
-        .unwrap_or_default()
-        .split(',')
-        .map(str::trim)
-        .filter(|secret| !secret.is_empty())
-        .map(str::to_owned)
-        .collect();
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("taskbroker demo-worker: {err}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async move {
-        let mode = Mode::Execute {
-            delay: Duration::from_millis(delay_ms),
-        };
-        match DemoWorker::start_on(listen, mode, secrets).await {
-            Ok(worker) => {
-                tracing::info!(addr = %worker.addr, "demo worker serving");
-                wait_for_shutdown_signal().await;
-                ExitCode::SUCCESS
-            }
-            Err(err) => {
-                eprintln!("taskbroker demo-worker: cannot listen on {listen}: {err}");
-                ExitCode::FAILURE
-            }
-        }
-    })
 }
 
 /// GET /health on the metrics port over loopback, with plain HTTP/1.0 so

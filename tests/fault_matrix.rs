@@ -20,12 +20,12 @@ use std::time::Duration;
 use tracing_subscriber::Layer as _;
 
 use common::kafka::MockKafka;
+use common::worker::scenario::{Kind, Ledger, TaskRecord};
+use common::worker::{DemoWorker, Mode};
 use common::{TestDb, free_port, http_get, wait_until};
 use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
-use taskbroker::demo::scenario::{Kind, Ledger, TaskRecord};
-use taskbroker::demo::worker::{DemoWorker, Mode};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::ActivationStore;
 

@@ -1,6 +1,16 @@
-//! The fake workers the tests use are the library's demo workers.
+//! The fake workers the tests use are the demo workers of `taskbroker demo`
+//! (src/cli/demo/worker.rs), and the fault matrix keeps its books in the
+//! demo's ledger (src/cli/demo/scenario.rs). Both files belong to the
+//! `taskbroker` binary, not the library, and no test can depend on a
+//! binary's modules, so they are compiled into the tests from their source
+//! here; `worker.rs` finds the ledger as its sibling `scenario`.
 
-pub use taskbroker::demo::worker::{DemoWorker, Mode};
+#[path = "../../src/cli/demo/worker.rs"]
+mod demo_worker;
+#[path = "../../src/cli/demo/scenario.rs"]
+pub mod scenario;
+
+pub use demo_worker::{DemoWorker, Mode};
 
 /// Starts demo workers, failing the test if one cannot listen.
 pub struct FakeWorker;

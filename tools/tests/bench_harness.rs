@@ -4,10 +4,34 @@
 //! and must finish with every task delivered once. Figures are not checked
 //! here (they are measured, not asserted); what is checked is that the
 //! commands in BENCHMARKS.md work and report what they claim to.
+//!
+//! The harness runs the `taskbroker` binary it finds beside its own, and
+//! this test is in another package (`taskbroker-tools`), so Cargo gives it
+//! no `CARGO_BIN_EXE_taskbroker`. Both binaries land in the same directory
+//! of the workspace's one target dir, and `cargo test --workspace`
+//! (scripts/test) or plain `cargo test` builds the broker binary in the
+//! same run, because the broker package's own integration tests need it.
+//! Run alone (`cargo test -p taskbroker-tools --test bench_harness`), the
+//! test uses whatever `taskbroker` was built last: build it first with
+//! `cargo build -p taskbroker`. [`bench`] fails, saying so, when it is
+//! missing.
 
+use std::path::PathBuf;
 use std::process::Command;
 
+/// The broker binary the harness will run: beside `taskbroker-bench`.
+fn broker_binary() -> PathBuf {
+    let broker = PathBuf::from(env!("CARGO_BIN_EXE_taskbroker-bench")).with_file_name("taskbroker");
+    assert!(
+        broker.is_file(),
+        "{} is missing: run `cargo test --workspace`, or `cargo build -p taskbroker` first",
+        broker.display()
+    );
+    broker
+}
+
 fn bench(args: &[&str]) -> String {
+    broker_binary();
     let output = Command::new(env!("CARGO_BIN_EXE_taskbroker-bench"))
         .args(args)
         .env_remove("TASKBROKER_DATABASE_URL")

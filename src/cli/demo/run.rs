@@ -23,12 +23,12 @@ use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
 use super::scenario::{Kind, Ledger, TaskRecord, report_for, wire_status};
 use super::worker::{DemoWorker, Mode};
-use crate::broker::Broker;
-use crate::config::{Config, DeliveryMode};
-use crate::metrics::Metrics;
-use crate::proto::consumer_service_client::ConsumerServiceClient;
-use crate::proto::{GetTaskRequest, SetTaskStatusRequest, TaskActivation};
-use crate::store::{
+use taskbroker::broker::Broker;
+use taskbroker::config::{Config, DeliveryMode};
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::proto::{GetTaskRequest, SetTaskStatusRequest, TaskActivation};
+use taskbroker::store::{
     ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
 

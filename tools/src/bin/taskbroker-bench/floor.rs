@@ -16,7 +16,8 @@ use taskbroker::store::{
     SqliteStoreConfig, StatusUpdate, WorkerStatus,
 };
 
-use crate::harness::{PgCounters, Scratch, StoreKind, activation, print_top_statements, run_id};
+use crate::harness::{Scratch, StoreKind, activation, run_id};
+use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
 
 #[derive(clap::Args, Debug, Clone)]

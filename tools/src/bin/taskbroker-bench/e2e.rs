@@ -20,9 +20,10 @@
 use std::time::{Duration, Instant};
 
 use crate::harness::{
-    BrokerProcess, Kafka, PgCounters, Producer, Scratch, StoreKind, Topics, WorkersProcess,
-    broker_env, metric, print_top_statements, run_id,
+    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, metric,
+    run_id,
 };
+use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
 use crate::workers::Delivery;
 

@@ -6,13 +6,17 @@
 //! A task carries its kind and its demo id in the activation headers
 //! (`demo-kind`, `demo-id`); retries keep the headers, so a retried chain of
 //! activations (each with a new id) is tracked as one demo task.
+//!
+//! Included by path into tests/common and the tools package as well (see
+//! worker.rs), so it names the library only as `taskbroker::`; its unit
+//! tests are in the demo's mod.rs.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::model::WorkerStatus;
-use crate::proto::{OnAttemptsExceeded, RetryState, TaskActivation, TaskActivationStatus};
+use taskbroker::model::WorkerStatus;
+use taskbroker::proto::{OnAttemptsExceeded, RetryState, TaskActivation, TaskActivationStatus};
 
 pub const KIND_HEADER: &str = "demo-kind";
 pub const ID_HEADER: &str = "demo-id";
@@ -317,42 +321,5 @@ impl Ledger {
                 completed + u64::from(record.completions.min(1)),
             )
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_mix_has_every_kind_in_its_share() {
-        let mut counts: HashMap<Kind, usize> = HashMap::new();
-        for index in 0..1000 {
-            *counts.entry(Kind::of_index(index)).or_default() += 1;
-        }
-        assert_eq!(counts[&Kind::Complete], 800);
-        assert_eq!(counts[&Kind::Retry], 50);
-        assert_eq!(counts[&Kind::Fail], 50);
-        assert_eq!(counts[&Kind::Deadline], 30);
-        assert_eq!(counts[&Kind::Delayed], 40);
-        assert_eq!(counts[&Kind::Expire], 30);
-    }
-
-    #[test]
-    fn workers_retry_a_retry_task_until_its_third_run() {
-        let now = chrono::Utc::now();
-        let mut activation = Kind::Retry.activation("r", now);
-        assert_eq!(report_for(&activation), Some(WorkerStatus::Retry));
-        activation.retry_state.as_mut().unwrap().attempts = 2;
-        assert_eq!(report_for(&activation), Some(WorkerStatus::Complete));
-        assert_eq!(
-            report_for(&Kind::Deadline.activation("d", now)),
-            None,
-            "deadline tasks are never reported"
-        );
-        assert_eq!(
-            report_for(&Kind::Fail.activation("f", now)),
-            Some(WorkerStatus::Failure)
-        );
     }
 }

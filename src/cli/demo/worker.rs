@@ -1,7 +1,13 @@
 //! Demo workers: real tonic `WorkerService` servers on loopback whose
 //! behaviour can be switched at run time and which record what they
-//! received. The tests' fake workers, the load harness's workers and the
-//! demo's worker pool are all this one implementation.
+//! received. The tests' fake workers, the load harness's `push` workers and
+//! the demo's worker pool are all this one implementation.
+//!
+//! Part of the `taskbroker` binary, and also compiled into tests/common and
+//! the tools package from its path (`#[path]`), since neither can depend on
+//! a binary. So this file names the library only as `taskbroker::` and
+//! expects the ledger as its sibling module `scenario`, wherever it is
+//! included.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -10,13 +16,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::scenario::{Ledger, report_for, wire_status};
-use crate::grpc::verify::VerifySignatureLayer;
-use crate::model::WorkerStatus;
-use crate::proto::consumer_service_client::ConsumerServiceClient;
-use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
-use crate::proto::{PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation};
-use crate::wire::signing::{SIGNATURE_METADATA, sign};
 use std::collections::HashMap;
+use taskbroker::grpc::verify::VerifySignatureLayer;
+use taskbroker::model::WorkerStatus;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
+use taskbroker::proto::{PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation};
+use taskbroker::wire::signing::{SIGNATURE_METADATA, sign};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::transport::Server;

@@ -229,9 +229,6 @@ pub mod labels {
         "Failure",
         "Complete",
     ];
-    /// The `result` of a status write's `status="any"` series, in the order
-    /// [`Metrics::record_status_outcome`] takes them.
-    pub const STATUS_RESULTS: [&str; 4] = ["updated", "ignored", "missing", "late"];
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -528,9 +525,9 @@ impl Metrics {
 
     /// Counts what a status write did (status label "any": one statement
     /// covers many statuses).
-    /// `counts` are in the order of [`STATUS_RESULTS`].
-    pub fn record_status_outcome(&self, counts: [u64; 4]) {
-        for (result, count) in labels::STATUS_RESULTS.into_iter().zip(counts) {
+    /// `counts` are `(result label, count)` pairs.
+    pub fn record_status_outcome(&self, counts: impl IntoIterator<Item = (&'static str, u64)>) {
+        for (result, count) in counts {
             self.status_updates
                 .with_label_values(&["any", result])
                 .inc_by(count);

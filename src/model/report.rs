@@ -77,9 +77,14 @@ pub struct StatusUpdateOutcome {
 }
 
 impl StatusUpdateOutcome {
-    /// `[updated, ignored, missing, late]`, the order the metrics take.
-    pub fn counts(&self) -> [u64; 4] {
-        [self.updated, self.ignored, self.missing, self.late]
+    /// Each count with its metrics label.
+    pub fn counts(&self) -> [(&'static str, u64); 4] {
+        [
+            ("updated", self.updated),
+            ("ignored", self.ignored),
+            ("missing", self.missing),
+            ("late", self.late),
+        ]
     }
 }
 

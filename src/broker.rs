@@ -20,9 +20,9 @@ use crate::actors::claims::ClaimRegistry;
 use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
 use crate::actors::fetch::{FetchConfig, StopFetching, WakeFetch};
 use crate::actors::push_pool::{DrainPushPool, PushPoolConfig, StopPushPool};
-use crate::actors::store::ReleaseClaims;
+use crate::actors::store::{CountByStatus, ReleaseClaims, StoreHandle};
 use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
-use crate::actors::{FetchActor, PushPoolActor, StoreActor};
+use crate::actors::{FetchActor, PushPoolActor};
 use crate::config::{Config, DeliveryMode};
 use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
@@ -69,7 +69,7 @@ pub struct PushPipeline {
     pub fetchers: Vec<Addr<FetchActor>>,
     /// Every claim currently held in memory.
     pub registry: ClaimRegistry,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
     arbiters: Vec<Arbiter>,
 }
@@ -79,7 +79,7 @@ impl PushPipeline {
     /// bucket range i of `fetch_actors`.
     pub fn start(
         config: PushPipelineConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         metrics: Arc<Metrics>,
     ) -> Result<PushPipeline, String> {
         PushPoolActor::validate(&config.push)?;
@@ -100,7 +100,8 @@ impl PushPipeline {
                     BucketRange::slice(index, count),
                     config.fetch.clone(),
                     store.clone(),
-                    push_pool.clone(),
+                    // One recipient (one sender) per FetchActor, for its life.
+                    push_pool.clone().recipient(),
                     registry.clone(),
                     Arc::clone(&metrics),
                 );
@@ -143,14 +144,14 @@ impl PushPipeline {
         let left = self.registry.take_all();
         if !left.is_empty() {
             let count = left.len() as u64;
-            match self.store.send(ReleaseClaims { claims: left }).await {
-                Ok(Ok(released)) => {
+            match self.store.call(ReleaseClaims { claims: left }).await {
+                Ok(released) => {
                     self.metrics
                         .claims_released
                         .with_label_values(&["shutdown"])
                         .inc_by(released);
                 }
-                _ => tracing::warn!(count, "cannot release claims at shutdown; leases will"),
+                Err(_) => tracing::warn!(count, "cannot release claims at shutdown; leases will"),
             }
         }
         for arbiter in self.arbiters {
@@ -202,7 +203,7 @@ impl UpkeepConfig {
 /// The whole broker: store, consumer, upkeep, (push mode) the pipeline, the
 /// gRPC server and the metrics endpoint.
 pub struct Broker {
-    pub store: Addr<StoreActor>,
+    pub store: StoreHandle,
     pub consumer: Addr<ConsumerActor>,
     pub upkeep: Addr<UpkeepActor>,
     pub pipeline: Option<PushPipeline>,
@@ -235,12 +236,8 @@ impl Broker {
         host_name: &str,
     ) -> Result<Broker, String> {
         let store_arbiter = Arbiter::new();
-        let store_actor = {
-            let metrics = Arc::clone(&metrics);
-            StoreActor::start_in_arbiter(&store_arbiter.handle(), move |_| {
-                StoreActor::new(store, metrics)
-            })
-        };
+        let store_actor =
+            StoreHandle::start_in_arbiter(&store_arbiter.handle(), store, Arc::clone(&metrics));
         let pipeline = match config.delivery_mode {
             DeliveryMode::Push => {
                 let pipeline_config = PushPipelineConfig::from_config(config, host_name);
@@ -382,7 +379,7 @@ impl Broker {
 /// deadlines, expiry and retries have stopped).
 async fn report_health(
     reporter: tonic_health::server::HealthReporter,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
     upkeep_stall: std::time::Duration,
 ) {
@@ -396,10 +393,7 @@ async fn report_health(
             cycles = metrics.upkeep_cycles.get();
             progressed = tokio::time::Instant::now();
         }
-        let store_answers = matches!(
-            store.send(crate::actors::store::CountByStatus {}).await,
-            Ok(Ok(_))
-        );
+        let store_answers = store.call(CountByStatus {}).await.is_ok();
         let healthy = store_answers && progressed.elapsed() < upkeep_stall;
         if healthy {
             reporter.set_serving::<Api>().await;

@@ -7,28 +7,26 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use actix::Addr;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::actors::StoreActor;
-use crate::actors::store::CountByStatus;
+use crate::actors::store::{CountByStatus, StoreHandle};
 use crate::metrics::Metrics;
 
 #[derive(Clone)]
 struct Endpoint {
     metrics: Arc<Metrics>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
 }
 
 /// Serves until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
@@ -55,9 +53,8 @@ async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
             "kafka: no partition assignment yet\n".to_owned(),
         );
     }
-    match endpoint.store.send(CountByStatus {}).await {
-        Ok(Ok(_)) => (StatusCode::OK, "ready\n".to_owned()),
-        Ok(Err(err)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
+    match endpoint.store.call(CountByStatus {}).await {
+        Ok(_) => (StatusCode::OK, "ready\n".to_owned()),
         Err(err) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {err}\n")),
     }
 }

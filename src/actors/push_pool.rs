@@ -55,7 +55,7 @@ use tokio::time::Instant;
 use tonic::Code;
 
 use super::claims::{ClaimGuard, ClaimRegistry};
-use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreActor, UndoClaim};
+use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreHandle, UndoClaim};
 use crate::config::WorkerEndpoints;
 use crate::metrics::Metrics;
 use crate::model::InflightActivation;
@@ -139,7 +139,7 @@ pub struct PushPoolActor {
 struct PushShared {
     config: PushPoolConfig,
     router: Router,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
     /// Per application: when its last "no worker endpoint" line was
     /// logged, and how many of its activations were deferred since.
@@ -161,7 +161,7 @@ impl PushPoolActor {
     /// `registry` carries the pipeline's shutdown signal.
     pub fn new(
         config: PushPoolConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         metrics: Arc<Metrics>,
         registry: ClaimRegistry,
     ) -> Self {
@@ -357,22 +357,19 @@ impl PushShared {
     async fn mark_pushed(&self, claim: ClaimGuard) {
         let moved = self
             .store
-            .send(MarkPushed {
+            .call(MarkPushed {
                 claim: claim.token().clone(),
                 deadline_grace: self.config.deadline_grace,
             })
             .await;
         match moved {
-            Ok(Ok(true)) => {}
+            Ok(true) => {}
             // The row moved on before the write: claimed again after its
             // lease ran out (a duplicate delivery), or already finished by
             // the worker's report. Counted, nothing changed.
-            Ok(Ok(false)) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
-            }
+            Ok(false) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
             Err(err) => {
-                tracing::warn!(error = %err, "store actor gone; the lease will return the pushed claim");
+                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
             }
         }
         claim.settle();
@@ -382,24 +379,23 @@ impl PushShared {
     async fn undo(&self, claim: ClaimGuard) {
         let undone = self
             .store
-            .send(UndoClaim {
+            .call(UndoClaim {
                 claim: claim.token().clone(),
             })
             .await;
         match undone {
-            Ok(Ok(true)) => self
+            Ok(true) => self
                 .metrics
                 .claims_released
                 .with_label_values(&["push_failed"])
                 .inc(),
             // Already moved on (lease expired and claimed again).
-            Ok(Ok(false)) => {}
-            Ok(Err(err)) => {
+            Ok(false) => {}
+            // Includes the store actor being gone: the guard's own release
+            // would be lost too; the lease returns the row.
+            Err(err) => {
                 tracing::warn!(error = %err, "cannot undo a failed push; the lease will return it");
             }
-            // The store actor is gone: the guard's own release would be
-            // lost too; the lease returns the row.
-            Err(_) => {}
         }
         claim.settle();
     }
@@ -408,18 +404,12 @@ impl PushShared {
     async fn fail(&self, claim: ClaimGuard, why: &'static str) {
         let sent = self
             .store
-            .send(FailClaims {
+            .call(FailClaims {
                 claims: vec![claim.token().clone()],
             })
             .await;
-        match sent {
-            Ok(Ok(_)) => {}
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, why, "store actor gone; the lease will return the claim");
-            }
+        if let Err(err) = sent {
+            tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
         }
         claim.settle();
     }
@@ -433,11 +423,11 @@ impl PushShared {
             .inc();
         let released = self
             .store
-            .send(UndoClaim {
+            .call(UndoClaim {
                 claim: claim.token().clone(),
             })
             .await;
-        if let Ok(Err(err)) = &released {
+        if let Err(err) = &released {
             tracing::warn!(error = %err, "cannot release a claim too old to push; its lease will");
         }
         claim.settle();
@@ -453,12 +443,12 @@ impl PushShared {
             + chrono::TimeDelta::from_std(NO_ROUTE_BACKOFF).unwrap_or(chrono::TimeDelta::MAX);
         let deferred = self
             .store
-            .send(DeferClaims {
+            .call(DeferClaims {
                 claims: vec![claim.token().clone()],
                 until,
             })
             .await;
-        if let Ok(Err(err)) = &deferred {
+        if let Err(err) = &deferred {
             tracing::warn!(error = %err, "cannot defer an unroutable claim; its lease will return it");
         }
         claim.settle();
@@ -508,12 +498,12 @@ impl PushShared {
         );
         let sent = self
             .store
-            .send(FailClaimAttempt {
+            .call(FailClaimAttempt {
                 claims: vec![claim.token().clone()],
                 max_attempts: self.config.max_attempts,
             })
             .await;
-        if let Ok(Err(err)) = &sent {
+        if let Err(err) = &sent {
             tracing::warn!(error = %err, "cannot record an undeliverable claim; the lease will return it");
         }
         claim.settle();

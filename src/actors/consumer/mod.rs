@@ -58,7 +58,7 @@ pub use self::dead_letter::{
 };
 use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
-use super::store::{CountByStatus, InsertBatch, StoreActor};
+use super::store::{CountByStatus, InsertBatch, StoreHandle};
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
 use crate::model::InflightActivation;
@@ -114,7 +114,7 @@ type StopSignal = watch::Receiver<Option<Instant>>;
 
 pub struct ConsumerActor {
     config: ConsumerConfig,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     stop: watch::Sender<Option<Instant>>,
@@ -124,7 +124,7 @@ pub struct ConsumerActor {
 impl ConsumerActor {
     pub fn new(
         config: ConsumerConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -275,7 +275,7 @@ struct ConsumeLoop {
     dead_letters: Producer,
     error_log: ThrottledLog,
     rebalances: mpsc::UnboundedReceiver<Rebalanced>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     stop: StopSignal,
@@ -305,7 +305,7 @@ impl Drop for ConsumeLoop {
 impl ConsumeLoop {
     fn start(
         config: ConsumerConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
         stop: StopSignal,
@@ -680,21 +680,18 @@ impl ConsumeLoop {
     ) -> Result<Inserted, Stopped> {
         let mut backoff = Backoff::new();
         loop {
-            let insert = self.store.send(InsertBatch {
+            let insert = self.store.call(InsertBatch {
                 rows: Arc::clone(&rows),
             });
             let pause = backoff.next();
             match self.attempt(insert).await.ok_or(Stopped)? {
-                Ok(Ok(stored)) => return Ok(Inserted::Stored(stored)),
-                Ok(Err(err @ StoreError::Rejected { .. })) => {
+                Ok(stored) => return Ok(Inserted::Stored(stored)),
+                Err(err @ StoreError::Rejected { .. }) => {
                     tracing::warn!(error = %err, rows = rows.len(), "the store refused a consumed batch; isolating the refused rows");
                     return Ok(Inserted::Rejected(err));
                 }
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
-                }
                 Err(err) => {
-                    tracing::warn!(error = %err, retry_in = ?pause, "store actor unreachable; retrying");
+                    tracing::warn!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
                 }
             }
             self.held = true;
@@ -840,8 +837,8 @@ impl ConsumeLoop {
     }
 
     async fn refresh_inflight(&mut self) {
-        let count = self.store.send(CountByStatus {});
-        if let Some(Ok(Ok(counts))) = self.attempt(count).await {
+        let count = self.store.call(CountByStatus {});
+        if let Some(Ok(counts)) = self.attempt(count).await {
             self.inflight = counts.inflight();
         }
     }

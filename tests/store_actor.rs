@@ -431,3 +431,86 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     // 21 on its own.
     assert_eq!(metrics.store_calls("set_status"), 1 + 1 + VALID as u64 + 1);
 }
+
+#[actix_rt::test]
+async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone() {
+    const VALID: usize = 20;
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows("batch", VALID)).await;
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    let ids: Vec<String> = claimed.iter().map(|row| row.id.clone()).collect();
+    let (addr, metrics) = start_actor(store.clone());
+    let report = |ids: &[String]| {
+        addr.call(ReportStatus {
+            updates: ids
+                .iter()
+                .map(|id| StatusUpdate::new(id.as_str(), WorkerStatus::Complete))
+                .collect(),
+        })
+    };
+
+    // As above: the first write waits on the lock, the rest join the next.
+    let locker = db.client().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+        .await
+        .expect("lock the table");
+    let monitor = common::connect(&common::admin_url()).await;
+    let first = report(&ids[..1]);
+    let deadline = Deadline::start("the first report waits on the table lock");
+    while backends_waiting_on_locks(&monitor, &db.name).await < 1 {
+        deadline.pause().await;
+    }
+    let good = report(&ids[1..8]);
+    let refused = report(&[ids[8].clone(), "nul\0batch".to_owned()]);
+    let single = report(&ids[9..10]);
+    let rest = report(&ids[10..]);
+    let count = addr.call(CountByStatus {});
+    let deadline = Deadline::start("the reports are queued behind the first");
+    while backends_waiting_on_locks(&monitor, &db.name).await < 2 {
+        deadline.pause().await;
+    }
+    locker.batch_execute("COMMIT").await.expect("unlock");
+
+    within_deadline("the first report", first)
+        .await
+        .expect("the first report is written");
+    within_deadline("a good batch", good)
+        .await
+        .expect("a good batch is written");
+    let err = within_deadline("the refused batch", refused)
+        .await
+        .expect_err("a batch with a refused id fails");
+    assert!(!err.is_unavailable(), "{err}");
+    within_deadline("a single report", single)
+        .await
+        .expect("a single report is written");
+    within_deadline("the last batch", rest)
+        .await
+        .expect("the last batch is written");
+    within_deadline("the count", count).await.expect("count");
+
+    for (index, id) in ids.iter().enumerate() {
+        let expected = if index == 8 {
+            // Refused with its batch: a request fails or succeeds whole.
+            ActivationStatus::Claimed
+        } else {
+            ActivationStatus::Complete
+        };
+        let status = store.get(id).await.expect("get").map(|row| row.status);
+        assert_eq!(status, Some(expected), "{id}");
+    }
+    // The first alone, the combined write that failed, then each of the
+    // four requests on its own.
+    assert_eq!(metrics.store_calls("set_status"), 1 + 1 + 4);
+    // What the writes did is counted once per successful statement.
+    let updated = metrics
+        .status_updates
+        .with_label_values(&["any", "updated"])
+        .get();
+    assert_eq!(updated, VALID as u64 - 1);
+}

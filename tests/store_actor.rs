@@ -1,7 +1,9 @@
 //! StoreActor against a real PostgreSQL database: it runs queries
 //! concurrently instead of one at a time, turns a database outage into
 //! `Unavailable` errors (never a hang or a panic) and recovers when the
-//! database comes back, and records every call in its metrics.
+//! database comes back, records every call in its metrics, and combines
+//! workers' reports (single ones and batches) so that a request the
+//! database refuses fails alone.
 
 mod common;
 

@@ -362,17 +362,69 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
     }
 }
 
+/// `n` rows of `prefix` stored and claimed, on a store of `db`; their ids.
+async fn claimed_rows(db: &TestDb, prefix: &str, n: usize) -> (Arc<PostgresStore>, Vec<String>) {
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows(prefix, n)).await;
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, n, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), n);
+    (
+        store,
+        claimed.into_iter().map(|row| row.id.clone()).collect(),
+    )
+}
+
+/// The activations table held under an exclusive lock, so the StoreActor's
+/// statements queue behind it: how the report tests make writes combine.
+struct HeldTable {
+    locker: tokio_postgres::Client,
+    monitor: tokio_postgres::Client,
+    database: String,
+}
+
+impl HeldTable {
+    async fn hold(db: &TestDb) -> HeldTable {
+        let locker = db.client().await;
+        locker
+            .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+            .await
+            .expect("lock the table");
+        HeldTable {
+            locker,
+            monitor: common::connect(&common::admin_url()).await,
+            database: db.name.clone(),
+        }
+    }
+
+    /// Waits until `statements` statements wait on the lock.
+    async fn wait_for(&self, statements: i64, what: &'static str) {
+        let deadline = Deadline::start(what);
+        while backends_waiting_on_locks(&self.monitor, &self.database).await < statements {
+            deadline.pause().await;
+        }
+    }
+
+    /// Releases the lock once every message sent to `addr` so far is
+    /// queued: the actor handles messages in order, so once a count sent
+    /// now waits on the lock too (beside the first write), every report
+    /// before it has joined the next combined write.
+    async fn release_once_queued(self, addr: &StoreHandle) {
+        let count = addr.call(CountByStatus {});
+        self.wait_for(2, "the reports are queued behind the first")
+            .await;
+        self.locker.batch_execute("COMMIT").await.expect("unlock");
+        within_deadline("the count", count).await.expect("count");
+    }
+}
+
 #[actix_rt::test]
 async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     const VALID: usize = 20;
     let db = TestDb::new().await;
-    let store = db.store().await;
-    common::insert(store.as_ref(), &common::rows("report", VALID)).await;
-    let claimed = store
-        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
-        .await
-        .expect("claim");
-    assert_eq!(claimed.len(), VALID);
+    let (store, claimed) = claimed_rows(&db, "report", VALID).await;
     let (addr, metrics) = start_actor(store.clone());
     let report = |id: &str| {
         addr.call(ReportStatus::one(StatusUpdate::new(
@@ -383,37 +435,22 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
 
     // Hold the table so the first report's write waits and every report
     // sent meanwhile joins the next combined write.
-    let locker = db.client().await;
-    locker
-        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
-        .await
-        .expect("lock the table");
-    let monitor = common::connect(&common::admin_url()).await;
-    let first = report(&claimed[0].id);
-    let deadline = Deadline::start("the first report waits on the table lock");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 1 {
-        deadline.pause().await;
-    }
+    let held = HeldTable::hold(&db).await;
+    let first = report(&claimed[0]);
+    held.wait_for(1, "the first report waits on the table lock")
+        .await;
     // PostgreSQL refuses NUL in text: these two fail any statement they
     // are part of. (The gRPC API refuses such ids before this point.)
-    let mut ids: Vec<String> = claimed[1..].iter().map(|row| row.id.clone()).collect();
+    let mut ids: Vec<String> = claimed[1..].to_vec();
     ids.insert(5, "nul\0one".to_owned());
     ids.insert(15, "nul\0two".to_owned());
     let rest: Vec<_> = ids.iter().map(|id| report(id)).collect();
-    // The actor handles messages in order: once this count waits on the
-    // lock too, every report above is queued for the combined write.
-    let count = addr.call(CountByStatus {});
-    let deadline = Deadline::start("the reports are queued behind the first");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 2 {
-        deadline.pause().await;
-    }
-    locker.batch_execute("COMMIT").await.expect("unlock");
+    held.release_once_queued(&addr).await;
 
     within_deadline("the first report", first)
         .await
         .expect("the first report is written");
     let answers = within_deadline("the combined reports", futures::future::join_all(rest)).await;
-    within_deadline("the count", count).await.expect("count");
     let mut refused = Vec::new();
     for (id, answer) in ids.iter().zip(answers) {
         match answer {
@@ -438,13 +475,7 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
 async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone() {
     const VALID: usize = 20;
     let db = TestDb::new().await;
-    let store = db.store().await;
-    common::insert(store.as_ref(), &common::rows("batch", VALID)).await;
-    let claimed = store
-        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
-        .await
-        .expect("claim");
-    let ids: Vec<String> = claimed.iter().map(|row| row.id.clone()).collect();
+    let (store, ids) = claimed_rows(&db, "batch", VALID).await;
     let (addr, metrics) = start_actor(store.clone());
     let report = |ids: &[String]| {
         addr.call(ReportStatus {
@@ -456,27 +487,15 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
     };
 
     // As above: the first write waits on the lock, the rest join the next.
-    let locker = db.client().await;
-    locker
-        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
-        .await
-        .expect("lock the table");
-    let monitor = common::connect(&common::admin_url()).await;
+    let held = HeldTable::hold(&db).await;
     let first = report(&ids[..1]);
-    let deadline = Deadline::start("the first report waits on the table lock");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 1 {
-        deadline.pause().await;
-    }
+    held.wait_for(1, "the first report waits on the table lock")
+        .await;
     let good = report(&ids[1..8]);
     let refused = report(&[ids[8].clone(), "nul\0batch".to_owned()]);
     let single = report(&ids[9..10]);
     let rest = report(&ids[10..]);
-    let count = addr.call(CountByStatus {});
-    let deadline = Deadline::start("the reports are queued behind the first");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 2 {
-        deadline.pause().await;
-    }
-    locker.batch_execute("COMMIT").await.expect("unlock");
+    held.release_once_queued(&addr).await;
 
     within_deadline("the first report", first)
         .await
@@ -494,7 +513,6 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
     within_deadline("the last batch", rest)
         .await
         .expect("the last batch is written");
-    within_deadline("the count", count).await.expect("count");
 
     for (index, id) in ids.iter().enumerate() {
         let expected = if index == 8 {

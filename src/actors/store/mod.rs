@@ -47,7 +47,8 @@ pub struct StoreActor {
 }
 
 impl StoreActor {
-    pub fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
+    /// Started only through [`StoreHandle`], so no caller holds its address.
+    fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
         StoreActor {
             store,
             metrics,

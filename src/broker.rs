@@ -24,9 +24,9 @@ use crate::actors::claims::ClaimRegistry;
 use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
 use crate::actors::fetch::{FetchConfig, StopFetching, WakeFetch};
 use crate::actors::push_pool::{DrainPushPool, PushPoolConfig, StopPushPool};
-use crate::actors::store::ReleaseClaims;
+use crate::actors::store::{ReleaseClaims, StoreHandle};
 use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
-use crate::actors::{FetchActor, PushPoolActor, StoreActor};
+use crate::actors::{FetchActor, PushPoolActor};
 use crate::config::{Config, DeliveryMode};
 use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
@@ -78,7 +78,7 @@ pub struct PushPipeline {
     pub fetchers: Vec<Addr<FetchActor>>,
     /// Every claim currently held in memory.
     pub registry: ClaimRegistry,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
     arbiters: Vec<Arbiter>,
 }
@@ -88,7 +88,7 @@ impl PushPipeline {
     /// bucket range i of `fetch_actors`.
     pub fn start(
         config: PushPipelineConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         metrics: Arc<Metrics>,
     ) -> Result<PushPipeline, String> {
         PushPoolActor::validate(&config.push)?;
@@ -109,7 +109,8 @@ impl PushPipeline {
                     BucketRange::slice(index, count),
                     config.fetch.clone(),
                     store.clone(),
-                    push_pool.clone(),
+                    // One recipient (one sender) per FetchActor, for its life.
+                    push_pool.clone().recipient(),
                     registry.clone(),
                     Arc::clone(&metrics),
                 );
@@ -152,14 +153,14 @@ impl PushPipeline {
         let left = self.registry.take_all();
         if !left.is_empty() {
             let count = left.len() as u64;
-            match self.store.send(ReleaseClaims { claims: left }).await {
-                Ok(Ok(released)) => {
+            match self.store.call(ReleaseClaims { claims: left }).await {
+                Ok(released) => {
                     self.metrics
                         .claims_released
                         .with_label_values(&["shutdown"])
                         .inc_by(released);
                 }
-                _ => tracing::warn!(count, "cannot release claims at shutdown; leases will"),
+                Err(_) => tracing::warn!(count, "cannot release claims at shutdown; leases will"),
             }
         }
         for arbiter in self.arbiters {
@@ -214,7 +215,7 @@ impl UpkeepConfig {
 /// The whole broker: store, consumer, upkeep, (push mode) the pipeline, the
 /// gRPC server and the metrics endpoint.
 pub struct Broker {
-    pub store: Addr<StoreActor>,
+    pub store: StoreHandle,
     pub consumer: Addr<ConsumerActor>,
     pub upkeep: Addr<UpkeepActor>,
     pub pipeline: Option<PushPipeline>,
@@ -251,12 +252,8 @@ impl Broker {
     ) -> Result<Broker, String> {
         let health = Health::new();
         let store_arbiter = Arbiter::new();
-        let store_actor = {
-            let metrics = Arc::clone(&metrics);
-            StoreActor::start_in_arbiter(&store_arbiter.handle(), move |_| {
-                StoreActor::new(store, metrics)
-            })
-        };
+        let store_actor =
+            StoreHandle::start_in_arbiter(&store_arbiter.handle(), store, Arc::clone(&metrics));
         let pipeline = match config.delivery_mode {
             DeliveryMode::Push => {
                 let pipeline_config = PushPipelineConfig::from_config(config, host_name);
@@ -346,7 +343,10 @@ impl Broker {
             }
         });
         let mut watched = vec![
-            Watched::actor("the store actor", &store_actor),
+            Watched::new("the store actor", {
+                let store = store_actor.clone();
+                move || store.is_running()
+            }),
             Watched::actor("the Kafka consumer", &consumer),
             Watched::actor("the upkeep actor", &upkeep),
         ];
@@ -422,7 +422,7 @@ const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250
 /// and retries have stopped). A failure turns it NOT_SERVING at once.
 async fn report_health(
     reporter: tonic_health::server::HealthReporter,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     health: Health,
     upkeep_stall: std::time::Duration,
 ) {

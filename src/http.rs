@@ -8,22 +8,20 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use actix::Addr;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::actors::StoreActor;
-use crate::actors::store::CountByStatus;
+use crate::actors::store::{Ping, StoreHandle};
 use crate::metrics::Metrics;
 use crate::supervisor::Health;
 
 #[derive(Clone)]
 struct Endpoint {
     metrics: Arc<Metrics>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     health: Health,
 }
 
@@ -31,7 +29,7 @@ struct Endpoint {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -75,10 +73,6 @@ async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 
 /// Whether the store answers: a cheap round trip through the StoreActor to
 /// the database, no table scan.
-pub async fn store_answers(store: &Addr<StoreActor>) -> Result<(), String> {
-    match store.send(CountByStatus {}).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(err) => Err(err.to_string()),
-    }
+pub async fn store_answers(store: &StoreHandle) -> Result<(), String> {
+    store.call(Ping {}).await.map_err(|err| err.to_string())
 }

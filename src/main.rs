@@ -193,13 +193,15 @@ async fn run(config: Config) -> Result<(), String> {
     store.migrate().await.map_err(|err| err.to_string())?;
     let metrics = Arc::new(Metrics::new());
     let broker = Broker::start(&config, store, Arc::clone(&metrics), &host_name())?;
-    match broker.store.send(CountByStatus {}).await {
-        Ok(Ok(counts)) => {
+    match broker.store.call(CountByStatus {}).await {
+        Ok(counts) => {
             metrics.set_status_counts(counts.by_status());
             tracing::info!(inflight = counts.inflight(), "store ready");
         }
-        Ok(Err(err)) => tracing::warn!(error = %err, "store not answering yet"),
-        Err(err) => return Err(format!("store actor stopped: {err}")),
+        Err(err) if !broker.store.is_running() => {
+            return Err(format!("store actor stopped: {err}"));
+        }
+        Err(err) => tracing::warn!(error = %err, "store not answering yet"),
     }
 
     // Runs until a signal asks it to stop, or one of its parts fails.

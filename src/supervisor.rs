@@ -160,6 +160,14 @@ pub struct Watched {
 }
 
 impl Watched {
+    /// Watches a part through a check of whether it still runs.
+    pub fn new(name: impl Into<String>, alive: impl Fn() -> bool + Send + 'static) -> Watched {
+        Watched {
+            name: name.into(),
+            alive: Box::new(alive),
+        }
+    }
+
     /// Watches an actor through one of its addresses: the actor has stopped
     /// once its mailbox no longer accepts messages.
     pub fn actor<A: actix::Actor>(name: impl Into<String>, addr: &actix::Addr<A>) -> Watched {

@@ -13,7 +13,7 @@ use common::worker::{FakeWorker, Mode};
 use common::{Backend, TestStore, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
-use taskbroker::actors::StoreActor;
+use taskbroker::actors::StoreHandle;
 use taskbroker::actors::consumer::{
     ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
     dead_letter_cut,
@@ -37,7 +37,7 @@ struct Harness {
     db: TestStore,
     kafka: MockKafka,
     store: Arc<dyn ActivationStore>,
-    store_actor: Addr<StoreActor>,
+    store_actor: StoreHandle,
 }
 
 impl Harness {

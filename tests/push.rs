@@ -10,11 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use actix::prelude::*;
 use chrono::{DateTime, Utc};
 use common::worker::{DemoWorker, FakeWorker, Mode};
 use common::{Backend, TestStore, rows, wait_until};
-use taskbroker::actors::StoreActor;
+use taskbroker::actors::StoreHandle;
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, PushPoolConfig, StopPushPool};
 use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
@@ -37,7 +36,7 @@ const LEASE_MARGIN: Duration = Duration::from_secs(5);
 struct Harness {
     db: TestStore,
     store: Arc<dyn ActivationStore>,
-    store_actor: Addr<StoreActor>,
+    store_actor: StoreHandle,
     metrics: Arc<Metrics>,
 }
 
@@ -287,36 +286,32 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
     };
     let first = harness
         .store_actor
-        .send(claim(Duration::ZERO))
+        .call(claim(Duration::ZERO))
         .await
-        .unwrap()
         .unwrap();
     let old = first[0].claim_token().unwrap();
     // The lease ran out, upkeep returned it, and another fetch claimed it.
     harness.store.release_expired_claims(10).await.unwrap();
     let second = harness
         .store_actor
-        .send(claim(Duration::from_secs(30)))
+        .call(claim(Duration::from_secs(30)))
         .await
-        .unwrap()
         .unwrap();
     let current = second[0].claim_token().unwrap();
 
     let grace = Duration::from_secs(1);
     let late = harness
         .store_actor
-        .send(MarkPushed {
+        .call(MarkPushed {
             claim: old.clone(),
             deadline_grace: grace,
         })
-        .await
-        .unwrap();
+        .await;
     assert_eq!(late, Ok(false), "a stale success changes nothing");
     let released = harness
         .store_actor
-        .send(ReleaseClaims { claims: vec![old] })
-        .await
-        .unwrap();
+        .call(ReleaseClaims { claims: vec![old] })
+        .await;
     assert_eq!(released, Ok(0), "a stale release changes nothing");
     let row = harness.store.get("fence-0").await.unwrap().unwrap();
     assert_eq!(row.status, ActivationStatus::Claimed);
@@ -324,12 +319,11 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
 
     let fresh = harness
         .store_actor
-        .send(MarkPushed {
+        .call(MarkPushed {
             claim: current,
             deadline_grace: grace,
         })
-        .await
-        .unwrap();
+        .await;
     assert_eq!(fresh, Ok(true));
 }
 
@@ -385,26 +379,21 @@ async fn concurrent_push_successes_are_combined_into_few_statements() {
     harness.insert("combine", 200).await;
     let claimed = harness
         .store_actor
-        .send(ClaimBatch {
+        .call(ClaimBatch {
             buckets: BucketRange::ALL,
             limit: 200,
             lease: Duration::from_secs(30),
         })
         .await
-        .unwrap()
         .unwrap();
     let replies = futures::future::join_all(claimed.iter().map(|row| {
-        harness.store_actor.send(MarkPushed {
+        harness.store_actor.call(MarkPushed {
             claim: row.claim_token().unwrap(),
             deadline_grace: Duration::from_secs(1),
         })
     }))
     .await;
-    assert!(
-        replies
-            .into_iter()
-            .all(|reply| matches!(reply, Ok(Ok(true))))
-    );
+    assert!(replies.into_iter().all(|reply| matches!(reply, Ok(true))));
     assert_eq!(harness.count(ActivationStatus::Processing).await, 200);
     let statements = harness.metrics.store_calls("mark_processing");
     assert!(

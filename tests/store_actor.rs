@@ -1,7 +1,9 @@
 //! StoreActor against a real PostgreSQL database: it runs queries
 //! concurrently instead of one at a time, turns a database outage into
 //! `Unavailable` errors (never a hang or a panic) and recovers when the
-//! database comes back, and records every call in its metrics.
+//! database comes back, records every call in its metrics, and combines
+//! workers' reports (single ones and batches) so that a request the
+//! database refuses fails alone.
 
 mod common;
 
@@ -9,12 +11,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::prelude::*;
 use common::TestDb;
-use taskbroker::actors::StoreActor;
+use taskbroker::actors::StoreHandle;
 use taskbroker::actors::store::{
-    ClaimBatch, CountByStatus, GetActivation, InsertBatch, MaxPendingLag, ReleaseClaims,
-    ReportStatus,
+    ClaimBatch, CountByStatus, InsertBatch, MaxPendingLag, Ping, ReleaseClaims, ReportStatus,
 };
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{
@@ -28,9 +28,9 @@ const DEADLINE: Duration = Duration::from_secs(10);
 /// Pause between two looks at a condition we poll.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
-fn start_actor(store: Arc<dyn ActivationStore>) -> (Addr<StoreActor>, Arc<Metrics>) {
+fn start_actor(store: Arc<dyn ActivationStore>) -> (StoreHandle, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
-    let addr = StoreActor::new(store, Arc::clone(&metrics)).start();
+    let addr = StoreHandle::start(store, Arc::clone(&metrics));
     (addr, metrics)
 }
 
@@ -112,7 +112,7 @@ async fn handlers_run_queries_concurrently() {
         .expect("lock the table");
 
     let requests: Vec<_> = (0..CONCURRENT)
-        .map(|_| addr.send(CountByStatus {}))
+        .map(|_| addr.call(CountByStatus {}))
         .collect();
     let replies = actix_rt::spawn(futures::future::join_all(requests));
 
@@ -136,9 +136,7 @@ async fn handlers_run_queries_concurrently() {
         .expect("reply task");
     assert_eq!(replies.len(), CONCURRENT);
     for reply in replies {
-        let counts = reply
-            .expect("actor answers")
-            .expect("count succeeds once the lock is gone");
+        let counts = reply.expect("count succeeds once the lock is gone");
         assert_eq!(counts.get(ActivationStatus::Pending), 5);
         assert_eq!(counts.total(), 5);
     }
@@ -173,11 +171,8 @@ impl Drop for AllowConnectionsOnDrop {
 }
 
 /// Asserts a store call failed as retryable, and tallies it.
-fn expect_unavailable<T: std::fmt::Debug>(
-    operation: &str,
-    reply: Result<Result<T, StoreError>, MailboxError>,
-) {
-    match reply.expect("actor answers") {
+fn expect_unavailable<T: std::fmt::Debug>(operation: &str, reply: Result<T, StoreError>) {
+    match reply {
         Err(err) => assert!(
             err.is_unavailable(),
             "{operation} during the outage failed with {err:?}, expected Unavailable"
@@ -194,15 +189,15 @@ async fn database_outage_returns_unavailable_then_recovers() {
     config.pool_size = 4;
     let store = PostgresStore::connect(&config).expect("store config");
     store.migrate().await.expect("migrations apply");
-    let (addr, metrics) = start_actor(Arc::new(store));
+    let store: Arc<dyn ActivationStore> = Arc::new(store);
+    let (addr, metrics) = start_actor(Arc::clone(&store));
 
     let rows = common::rows("outage", 3);
     let inserted = addr
-        .send(InsertBatch {
+        .call(InsertBatch {
             rows: Arc::new(rows.clone()),
         })
         .await
-        .expect("actor answers")
         .expect("insert before the outage");
     assert_eq!(inserted, 3);
 
@@ -213,7 +208,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
         .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
         .await
         .expect("lock the table");
-    let in_flight = actix_rt::spawn(addr.send(CountByStatus {}));
+    let in_flight = actix_rt::spawn(addr.call(CountByStatus {}));
     let admin = common::connect(&common::admin_url()).await;
     let deadline = Deadline::start("the in-flight query waits on the table lock");
     while backends_waiting_on_locks(&admin, &db.name).await < 1 {
@@ -251,21 +246,15 @@ async fn database_outage_returns_unavailable_then_recovers() {
     // ones, which the database refuses: Unavailable too, and promptly.
     for _ in 0..2 {
         let reply = within_deadline("count_by_status during the outage", async {
-            addr.send(CountByStatus {}).await
+            addr.call(CountByStatus {}).await
         })
         .await;
         expect_unavailable("count_by_status", reply);
     }
-    let reply = within_deadline("get during the outage", async {
-        addr.send(GetActivation {
-            id: rows[0].id.clone(),
-        })
-        .await
-    })
-    .await;
-    expect_unavailable("get", reply);
+    let reply = within_deadline("ping during the outage", addr.call(Ping {})).await;
+    expect_unavailable("ping", reply);
     let reply = within_deadline("claim_for_push during the outage", async {
-        addr.send(ClaimBatch {
+        addr.call(ClaimBatch {
             buckets: BucketRange::ALL,
             limit: 10,
             lease: Duration::from_secs(60),
@@ -287,7 +276,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
     let mut failures_while_recovering = 0u64;
     let deadline = Deadline::start("max_pending_lag succeeds again");
     loop {
-        match addr.send(MaxPendingLag {}).await.expect("actor answers") {
+        match addr.call(MaxPendingLag {}).await {
             Ok(_) => break,
             Err(err) => {
                 assert!(
@@ -301,18 +290,13 @@ async fn database_outage_returns_unavailable_then_recovers() {
     }
 
     let counts = addr
-        .send(CountByStatus {})
+        .call(CountByStatus {})
         .await
-        .expect("actor answers")
         .expect("count after recovery");
     assert_eq!(counts.get(ActivationStatus::Pending), 3);
     assert_eq!(counts.total(), 3);
     for row in &rows {
-        let stored = addr
-            .send(GetActivation { id: row.id.clone() })
-            .await
-            .expect("actor answers")
-            .expect("get after recovery");
+        let stored = store.get(&row.id).await.expect("get after recovery");
         assert_eq!(stored.as_ref(), Some(row), "row {} changed", row.id);
     }
 
@@ -323,13 +307,13 @@ async fn database_outage_returns_unavailable_then_recovers() {
             .get()
     };
     assert_eq!(unavailable("count_by_status"), 3);
-    assert_eq!(unavailable("get"), 1);
+    assert_eq!(unavailable("ping"), 1);
     assert_eq!(unavailable("claim_for_push"), 1);
     assert_eq!(unavailable("max_pending_lag"), failures_while_recovering);
     assert_eq!(unavailable("insert_batch"), 0);
     // Calls are counted whether they failed or not.
     assert_eq!(metrics.store_calls("count_by_status"), 4);
-    assert_eq!(metrics.store_calls("get"), 1 + rows.len() as u64);
+    assert_eq!(metrics.store_calls("ping"), 1);
 }
 
 #[actix_rt::test]
@@ -338,16 +322,15 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
     let db = TestDb::new().await;
     let store = db.store().await;
     common::insert(store.as_ref(), &common::rows("release", K)).await;
-    let (addr, metrics) = start_actor(store);
+    let (addr, metrics) = start_actor(store.clone());
 
     let claimed = addr
-        .send(ClaimBatch {
+        .call(ClaimBatch {
             buckets: BucketRange::ALL,
             limit: K,
             lease: Duration::from_secs(60),
         })
         .await
-        .expect("actor answers")
         .expect("claim");
     assert_eq!(claimed.len(), K);
     let tokens: Vec<ClaimToken> = claimed
@@ -356,25 +339,19 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
         .collect();
 
     let released = addr
-        .send(ReleaseClaims { claims: tokens })
+        .call(ReleaseClaims { claims: tokens })
         .await
-        .expect("actor answers")
         .expect("release");
     assert_eq!(released, K as u64);
     assert_eq!(metrics.store_calls("release_claims"), 1);
 
-    let counts = addr
-        .send(CountByStatus {})
-        .await
-        .expect("actor answers")
-        .expect("count");
+    let counts = addr.call(CountByStatus {}).await.expect("count");
     assert_eq!(counts.get(ActivationStatus::Pending), K as u64);
     assert_eq!(counts.get(ActivationStatus::Claimed), 0);
     for row in &claimed {
-        let stored = addr
-            .send(GetActivation { id: row.id.clone() })
+        let stored = store
+            .get(&row.id)
             .await
-            .expect("actor answers")
             .expect("get")
             .expect("row still stored");
         assert_eq!(stored.status, ActivationStatus::Pending);
@@ -385,64 +362,98 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
     }
 }
 
+/// `n` rows of `prefix` stored and claimed, on a store of `db`; their ids.
+async fn claimed_rows(db: &TestDb, prefix: &str, n: usize) -> (Arc<PostgresStore>, Vec<String>) {
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows(prefix, n)).await;
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, n, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), n);
+    (
+        store,
+        claimed.into_iter().map(|row| row.id.clone()).collect(),
+    )
+}
+
+/// The activations table held under an exclusive lock, so the StoreActor's
+/// statements queue behind it: how the report tests make writes combine.
+struct HeldTable {
+    locker: tokio_postgres::Client,
+    monitor: tokio_postgres::Client,
+    database: String,
+}
+
+impl HeldTable {
+    async fn hold(db: &TestDb) -> HeldTable {
+        let locker = db.client().await;
+        locker
+            .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
+            .await
+            .expect("lock the table");
+        HeldTable {
+            locker,
+            monitor: common::connect(&common::admin_url()).await,
+            database: db.name.clone(),
+        }
+    }
+
+    /// Waits until `statements` statements wait on the lock.
+    async fn wait_for(&self, statements: i64, what: &'static str) {
+        let deadline = Deadline::start(what);
+        while backends_waiting_on_locks(&self.monitor, &self.database).await < statements {
+            deadline.pause().await;
+        }
+    }
+
+    /// Releases the lock once every message sent to `addr` so far is
+    /// queued: the actor handles messages in order, so once a count sent
+    /// now waits on the lock too (beside the first write), every report
+    /// before it has joined the next combined write.
+    async fn release_once_queued(self, addr: &StoreHandle) {
+        let count = addr.call(CountByStatus {});
+        self.wait_for(2, "the reports are queued behind the first")
+            .await;
+        self.locker.batch_execute("COMMIT").await.expect("unlock");
+        within_deadline("the count", count).await.expect("count");
+    }
+}
+
 #[actix_rt::test]
 async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     const VALID: usize = 20;
     let db = TestDb::new().await;
-    let store = db.store().await;
-    common::insert(store.as_ref(), &common::rows("report", VALID)).await;
-    let claimed = store
-        .claim_for_push(BucketRange::ALL, VALID, Duration::from_secs(60))
-        .await
-        .expect("claim");
-    assert_eq!(claimed.len(), VALID);
+    let (store, claimed) = claimed_rows(&db, "report", VALID).await;
     let (addr, metrics) = start_actor(store.clone());
     let report = |id: &str| {
-        addr.send(ReportStatus {
-            update: StatusUpdate::new(id, WorkerStatus::Complete),
-        })
+        addr.call(ReportStatus::one(StatusUpdate::new(
+            id,
+            WorkerStatus::Complete,
+        )))
     };
 
     // Hold the table so the first report's write waits and every report
     // sent meanwhile joins the next combined write.
-    let locker = db.client().await;
-    locker
-        .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
-        .await
-        .expect("lock the table");
-    let monitor = common::connect(&common::admin_url()).await;
-    let first = report(&claimed[0].id);
-    let deadline = Deadline::start("the first report waits on the table lock");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 1 {
-        deadline.pause().await;
-    }
+    let held = HeldTable::hold(&db).await;
+    let first = report(&claimed[0]);
+    held.wait_for(1, "the first report waits on the table lock")
+        .await;
     // PostgreSQL refuses NUL in text: these two fail any statement they
     // are part of. (The gRPC API refuses such ids before this point.)
-    let mut ids: Vec<String> = claimed[1..].iter().map(|row| row.id.clone()).collect();
+    let mut ids: Vec<String> = claimed[1..].to_vec();
     ids.insert(5, "nul\0one".to_owned());
     ids.insert(15, "nul\0two".to_owned());
     let rest: Vec<_> = ids.iter().map(|id| report(id)).collect();
-    // The actor handles messages in order: once this count waits on the
-    // lock too, every report above is queued for the combined write.
-    let count = addr.send(CountByStatus {});
-    let deadline = Deadline::start("the reports are queued behind the first");
-    while backends_waiting_on_locks(&monitor, &db.name).await < 2 {
-        deadline.pause().await;
-    }
-    locker.batch_execute("COMMIT").await.expect("unlock");
+    held.release_once_queued(&addr).await;
 
     within_deadline("the first report", first)
         .await
-        .expect("actor answers")
         .expect("the first report is written");
     let answers = within_deadline("the combined reports", futures::future::join_all(rest)).await;
-    within_deadline("the count", count)
-        .await
-        .expect("actor answers")
-        .expect("count");
     let mut refused = Vec::new();
     for (id, answer) in ids.iter().zip(answers) {
-        match answer.expect("actor answers") {
+        match answer {
             Ok(()) => assert_eq!(
                 store.get(id).await.expect("get").map(|row| row.status),
                 Some(ActivationStatus::Complete),
@@ -458,4 +469,68 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     // The first alone, the combined write that failed, then each of the
     // 21 on its own.
     assert_eq!(metrics.store_calls("set_status"), 1 + 1 + VALID as u64 + 1);
+}
+
+#[actix_rt::test]
+async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone() {
+    const VALID: usize = 20;
+    let db = TestDb::new().await;
+    let (store, ids) = claimed_rows(&db, "batch", VALID).await;
+    let (addr, metrics) = start_actor(store.clone());
+    let report = |ids: &[String]| {
+        addr.call(ReportStatus {
+            updates: ids
+                .iter()
+                .map(|id| StatusUpdate::new(id.as_str(), WorkerStatus::Complete))
+                .collect(),
+        })
+    };
+
+    // As above: the first write waits on the lock, the rest join the next.
+    let held = HeldTable::hold(&db).await;
+    let first = report(&ids[..1]);
+    held.wait_for(1, "the first report waits on the table lock")
+        .await;
+    let good = report(&ids[1..8]);
+    let refused = report(&[ids[8].clone(), "nul\0batch".to_owned()]);
+    let single = report(&ids[9..10]);
+    let rest = report(&ids[10..]);
+    held.release_once_queued(&addr).await;
+
+    within_deadline("the first report", first)
+        .await
+        .expect("the first report is written");
+    within_deadline("a good batch", good)
+        .await
+        .expect("a good batch is written");
+    let err = within_deadline("the refused batch", refused)
+        .await
+        .expect_err("a batch with a refused id fails");
+    assert!(!err.is_unavailable(), "{err}");
+    within_deadline("a single report", single)
+        .await
+        .expect("a single report is written");
+    within_deadline("the last batch", rest)
+        .await
+        .expect("the last batch is written");
+
+    for (index, id) in ids.iter().enumerate() {
+        let expected = if index == 8 {
+            // Refused with its batch: a request fails or succeeds whole.
+            ActivationStatus::Claimed
+        } else {
+            ActivationStatus::Complete
+        };
+        let status = store.get(id).await.expect("get").map(|row| row.status);
+        assert_eq!(status, Some(expected), "{id}");
+    }
+    // The first alone, the combined write that failed, then each of the
+    // four requests on its own.
+    assert_eq!(metrics.store_calls("set_status"), 1 + 1 + 4);
+    // What the writes did is counted once per successful statement.
+    let updated = metrics
+        .status_updates
+        .with_label_values(&["any", "updated"])
+        .get();
+    assert_eq!(updated, VALID as u64 - 1);
 }

@@ -16,7 +16,7 @@ use common::kafka::{MockKafka, payload};
 use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
-use taskbroker::actors::StoreActor;
+use taskbroker::actors::StoreHandle;
 use taskbroker::actors::consumer::ConsumerActor;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
@@ -39,7 +39,7 @@ struct Harness {
     db: TestStore,
     kafka: MockKafka,
     store: Arc<dyn ActivationStore>,
-    store_actor: Addr<StoreActor>,
+    store_actor: StoreHandle,
     metrics: Arc<Metrics>,
 }
 

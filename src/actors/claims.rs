@@ -17,10 +17,9 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use actix::Addr;
 use tokio::sync::watch;
 
-use super::store::{ReleaseClaims, StoreActor};
+use super::store::{ReleaseClaims, StoreHandle};
 use crate::metrics::Metrics;
 use crate::model::ClaimToken;
 
@@ -99,7 +98,7 @@ impl ClaimRegistry {
 pub struct ClaimGuard {
     token: Option<ClaimToken>,
     registry: ClaimRegistry,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
 }
 
@@ -107,7 +106,7 @@ impl ClaimGuard {
     pub fn new(
         token: ClaimToken,
         registry: ClaimRegistry,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         metrics: Arc<Metrics>,
     ) -> Self {
         registry.insert(token.clone());
@@ -158,7 +157,7 @@ impl Drop for ClaimGuard {
             .with_label_values(&["dropped"])
             .inc();
         // Fire and forget: if the store is gone too, the lease returns it.
-        let _ = self.store.try_send(ReleaseClaims {
+        let _ = self.store.send_and_forget(ReleaseClaims {
             claims: vec![token],
         });
     }

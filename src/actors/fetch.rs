@@ -5,11 +5,13 @@
 //! - Receives: [`WakeFetch`] (new rows stored), [`StopFetching`]; it drives
 //!   itself with [`FetchNow`].
 //! - Sends: [`ClaimBatch`] and [`ReleaseClaims`] to the StoreActor;
-//!   [`PushActivation`] to the PushPoolActor with `try_send`.
+//!   [`PushActivation`] to the push pool with `try_send`. The push pool is
+//!   a `Recipient<PushActivation>`: the PushPoolActor in the broker, any
+//!   actor taking that message in tests.
 //! - Mailbox: actix's default; only control messages arrive here.
 //!
 //! The handoff (DESIGN.md): each activation of a claimed batch goes to the
-//! push pool with `Addr::try_send`. `Full` hands the activation back and it
+//! push pool with `try_send`. `Full` hands the activation back and it
 //! is retried after a short pause until `PUSH_QUEUE_TIMEOUT_MS` has passed
 //! for it; then, or at once on `Closed`, this activation and every one of the
 //! batch not yet submitted return to Pending in **one** `ReleaseClaims`
@@ -19,9 +21,10 @@
 //! released entirely before the actor handles its next message (the
 //! iteration runs under `ctx.wait`), so stopping never strands a claim.
 //!
-//! One sender handle for the actor's lifetime: actix lets every `Addr`
-//! (each clone is a sender of its own) put one message into a full mailbox,
-//! so cloning the pool's address per iteration would let the mailbox grow
+//! One sender handle for the actor's lifetime: actix lets every `Addr` or
+//! `Recipient` (each clone is a sender of its own) put one message into a
+//! full mailbox, so cloning the pool's recipient per iteration would let the
+//! mailbox grow
 //! without bound. With one handle each, the pool's mailbox holds at most
 //! `PUSH_QUEUE_SIZE + FETCH_ACTORS` messages, plus the one the pool holds
 //! while it waits for a slot: the claim lease is derived from that bound.
@@ -39,8 +42,8 @@ use actix::prelude::*;
 use tokio::time::Instant;
 
 use super::claims::{ClaimGuard, ClaimRegistry};
-use super::push_pool::{PushActivation, PushPoolActor};
-use super::store::{ClaimBatch, ReleaseClaims, StoreActor};
+use super::push_pool::PushActivation;
+use super::store::{ClaimBatch, ReleaseClaims, StoreHandle};
 use crate::metrics::Metrics;
 use crate::model::{BucketRange, ClaimedActivation};
 
@@ -90,8 +93,8 @@ impl FetchActor {
     pub fn new(
         buckets: BucketRange,
         config: FetchConfig,
-        store: Addr<StoreActor>,
-        push: Addr<PushPoolActor>,
+        store: StoreHandle,
+        push: Recipient<PushActivation>,
         registry: ClaimRegistry,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -205,8 +208,9 @@ enum Iteration {
 struct Submitter {
     buckets: BucketRange,
     config: FetchConfig,
-    store: Addr<StoreActor>,
-    push: Addr<PushPoolActor>,
+    store: StoreHandle,
+    /// The one sender handle to the push pool, kept for the actor's life.
+    push: Recipient<PushActivation>,
     registry: ClaimRegistry,
     metrics: Arc<Metrics>,
 }
@@ -225,20 +229,16 @@ impl Submitter {
         }
         let claimed = self
             .store
-            .send(ClaimBatch {
+            .call(ClaimBatch {
                 buckets: self.buckets,
                 limit: self.config.batch_size,
                 lease: self.config.lease,
             })
             .await;
         let claimed = match claimed {
-            Ok(Ok(rows)) => rows,
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, "claim failed; backing off");
-                return Iteration::Backoff;
-            }
+            Ok(rows) => rows,
             Err(err) => {
-                tracing::warn!(error = %err, "store actor unreachable; backing off");
+                tracing::warn!(error = %err, "claim failed; backing off");
                 return Iteration::Backoff;
             }
         };
@@ -333,18 +333,15 @@ impl Submitter {
             return;
         }
         let claims = guards.iter().map(|guard| guard.token().clone()).collect();
-        match self.store.send(ReleaseClaims { claims }).await {
-            Ok(Ok(released)) => {
+        match self.store.call(ReleaseClaims { claims }).await {
+            Ok(released) => {
                 self.metrics
                     .claims_released
                     .with_label_values(&[reason])
                     .inc_by(released);
             }
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, reason, "cannot release claims; their lease will");
-            }
             Err(err) => {
-                tracing::warn!(error = %err, reason, "store actor unreachable; leases will release claims");
+                tracing::warn!(error = %err, reason, "cannot release claims; their lease will");
             }
         }
         guards.into_iter().for_each(ClaimGuard::settle);

@@ -11,5 +11,5 @@ pub mod upkeep;
 pub use consumer::ConsumerActor;
 pub use fetch::FetchActor;
 pub use push_pool::PushPoolActor;
-pub use store::StoreActor;
+pub use store::{StoreActor, StoreHandle};
 pub use upkeep::UpkeepActor;

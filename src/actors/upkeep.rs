@@ -42,13 +42,13 @@ use super::fetch::WakeFetch;
 use super::store::{
     CountByStatus, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
-    RemoveExpired, StoreActor, TakeForPublish,
+    RemoveExpired, StoreActor, StoreHandle, StoreMessage, TakeForPublish,
 };
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
 use crate::model::retry_activation;
 use crate::model::{DeadlineOutcome, PublishKind};
-use crate::store::StoreError;
+use crate::store::StoreResult;
 use crate::supervisor::Health;
 
 /// Settings of the upkeep.
@@ -84,7 +84,7 @@ pub struct StopUpkeep;
 
 pub struct UpkeepActor {
     config: UpkeepConfig,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     producer: Producer,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
@@ -98,7 +98,7 @@ pub struct UpkeepActor {
 impl UpkeepActor {
     pub fn new(
         config: UpkeepConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
@@ -204,14 +204,12 @@ impl Handler<StopUpkeep> for UpkeepActor {
 /// One upkeep cycle's work, detached from the actor.
 struct Cycle {
     config: UpkeepConfig,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     producer: Producer,
     metrics: Arc<Metrics>,
     expiry_allowed: bool,
     step_budget: Duration,
 }
-
-type StepResult = Result<Result<u64, StoreError>, MailboxError>;
 
 /// One step's passes within a cycle: whether to run another, and what the
 /// step left behind when it stops.
@@ -298,11 +296,11 @@ impl Cycle {
     /// [`Passes`]); answers the rows it moved in all.
     async fn repeat<M>(&self, name: &'static str, message: impl Fn() -> M) -> u64
     where
-        M: Message<Result = Result<u64, StoreError>> + Send + 'static,
+        M: StoreMessage<Output = u64>,
         StoreActor: Handler<M>,
     {
         let mut passes = Passes::new(self, name);
-        while passes.again(self.step(name, self.store.send(message())).await) {}
+        while passes.again(self.step(name, self.store.call(message())).await) {}
         passes.moved
     }
 
@@ -311,7 +309,7 @@ impl Cycle {
     async fn step(
         &self,
         name: &'static str,
-        request: impl Future<Output = StepResult>,
+        request: impl Future<Output = StoreResult<u64>>,
     ) -> Option<u64> {
         let started = Instant::now();
         let result = request.await;
@@ -320,14 +318,13 @@ impl Cycle {
             .with_label_values(&[name])
             .observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(Ok(moved)) => {
+            Ok(moved) => {
                 self.metrics
                     .upkeep_transitions
                     .with_label_values(&[name])
                     .inc_by(moved);
                 Some(moved)
             }
-            Ok(Err(err)) => self.failed(name, &err),
             Err(err) => self.failed(name, &err),
         }
     }
@@ -356,7 +353,7 @@ impl Cycle {
         let started = Instant::now();
         let result = self
             .store
-            .send(HandleProcessingDeadlines {
+            .call(HandleProcessingDeadlines {
                 limit: self.config.batch_limit,
             })
             .await;
@@ -365,7 +362,7 @@ impl Cycle {
             .with_label_values(&[name])
             .observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(Ok(outcome)) => {
+            Ok(outcome) => {
                 self.metrics
                     .upkeep_transitions
                     .with_label_values(&["processing_deadline_retried"])
@@ -376,7 +373,6 @@ impl Cycle {
                     .inc_by(outcome.failed);
                 Some(outcome)
             }
-            Ok(Err(err)) => self.failed(name, &err),
             Err(err) => self.failed(name, &err),
         }
     }
@@ -401,15 +397,14 @@ impl Cycle {
         let started = Instant::now();
         let taken = match self
             .store
-            .send(TakeForPublish {
+            .call(TakeForPublish {
                 kind,
                 limit: self.config.batch_limit,
                 lease: self.config.publish_lease,
             })
             .await
         {
-            Ok(Ok(rows)) => rows,
-            Ok(Err(err)) => return self.failed(name, &err),
+            Ok(rows) => rows,
             Err(err) => return self.failed(name, &err),
         };
         if taken.is_empty() {
@@ -480,8 +475,8 @@ impl Cycle {
                 Delivery::Failed => all_delivered = false,
             }
         }
-        let marked = match self.store.send(MarkPublished { ids: done }).await {
-            Ok(Ok(completed)) => {
+        let marked = match self.store.call(MarkPublished { ids: done }).await {
+            Ok(completed) => {
                 self.metrics
                     .upkeep_transitions
                     .with_label_values(&[name])
@@ -491,7 +486,6 @@ impl Cycle {
             // The records are on Kafka but the rows stay: after the lease they
             // are published again with the same ids (a duplicate that ingest
             // drops, never a loss).
-            Ok(Err(err)) => self.failed(name, &err),
             Err(err) => self.failed(name, &err),
         };
         self.metrics
@@ -502,14 +496,12 @@ impl Cycle {
     }
 
     async fn refresh_gauges(&self) {
-        match self.store.send(CountByStatus {}).await {
-            Ok(Ok(counts)) => self.metrics.set_status_counts(counts.by_status()),
-            Ok(Err(err)) => self.failed("count_by_status", &err).unwrap_or(()),
+        match self.store.call(CountByStatus {}).await {
+            Ok(counts) => self.metrics.set_status_counts(counts.by_status()),
             Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
         }
-        match self.store.send(MaxPendingLag {}).await {
-            Ok(Ok(lag)) => self.metrics.max_lag_seconds.set(lag),
-            Ok(Err(err)) => self.failed("max_pending_lag", &err).unwrap_or(()),
+        match self.store.call(MaxPendingLag {}).await {
+            Ok(lag) => self.metrics.max_lag_seconds.set(lag),
             Err(err) => self.failed("max_pending_lag", &err).unwrap_or(()),
         }
     }

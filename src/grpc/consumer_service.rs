@@ -1,5 +1,7 @@
 //! ConsumerService: the API workers call (PROTOCOL.md). Handlers only send
-//! typed messages to the StoreActor; tonic runs them concurrently.
+//! typed messages to the StoreActor (through its `StoreHandle`); tonic runs
+//! them concurrently. Every status write, a single report or a batch, goes
+//! through the StoreActor's write combiner (`ReportStatus`).
 //!
 //! Status codes (PROTOCOL.md's table): GetTask in push mode →
 //! PERMISSION_DENIED; nothing claimable → NOT_FOUND; a status that is not
@@ -16,12 +18,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::prelude::*;
 use prost::Message as _;
 use tonic::{Request, Response, Status};
 
-use crate::actors::StoreActor;
-use crate::actors::store::{ClaimForPull, ReportStatus, SetStatus};
+use crate::actors::store::{ClaimForPull, ReportStatus, StoreHandle};
 use crate::config::DeliveryMode;
 use crate::metrics::Metrics;
 use crate::model::{MAX_ID_BYTES, check_text};
@@ -35,7 +35,7 @@ use crate::proto::{
 use crate::store::StoreError;
 
 pub struct ConsumerApi {
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     mode: DeliveryMode,
     deadline_grace: Duration,
     metrics: Arc<Metrics>,
@@ -43,7 +43,7 @@ pub struct ConsumerApi {
 
 impl ConsumerApi {
     pub fn new(
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         mode: DeliveryMode,
         deadline_grace: Duration,
         metrics: Arc<Metrics>,
@@ -60,12 +60,11 @@ impl ConsumerApi {
     async fn next_task(&self, filter: PullFilter) -> Result<Option<TaskActivation>, Status> {
         let claimed = self
             .store
-            .send(ClaimForPull {
+            .call(ClaimForPull {
                 filter,
                 deadline_grace: self.deadline_grace,
             })
             .await
-            .map_err(unavailable)?
             .map_err(store_status)?;
         let Some(row) = claimed else {
             return Ok(None);
@@ -78,9 +77,10 @@ impl ConsumerApi {
                 tracing::error!(activation_id = %row.id, error = %err, "stored activation does not decode; failing it");
                 let _ = self
                     .store
-                    .send(SetStatus {
-                        updates: vec![StatusUpdate::new(row.id, WorkerStatus::Failure)],
-                    })
+                    .call(ReportStatus::one(StatusUpdate::new(
+                        row.id,
+                        WorkerStatus::Failure,
+                    )))
                     .await;
                 Err(Status::internal("stored activation does not decode"))
             }
@@ -144,11 +144,6 @@ fn filter(namespace: Option<String>, application: Option<String>) -> PullFilter 
 const STORE_UNAVAILABLE: &str = "store unavailable";
 const STORE_FAILED: &str = "internal store error";
 
-fn unavailable(err: MailboxError) -> Status {
-    tracing::warn!(error = %err, "store actor not reachable from the worker API");
-    Status::unavailable(STORE_UNAVAILABLE)
-}
-
 fn store_status(err: StoreError) -> Status {
     if err.is_unavailable() {
         tracing::warn!(error = %err, "worker API call failed: store unavailable");
@@ -189,9 +184,8 @@ impl ConsumerService for ConsumerApi {
         self.count(status_label(update.status), "received");
         if !update.id.is_empty() {
             self.store
-                .send(ReportStatus { update })
+                .call(ReportStatus::one(update))
                 .await
-                .map_err(unavailable)?
                 .map_err(store_status)?;
         }
         let task = match (self.mode, request.fetch_next_task) {
@@ -225,13 +219,11 @@ impl ConsumerService for ConsumerApi {
             .filter(|update| !update.id.is_empty())
             .collect();
         if !updates.is_empty() {
-            let outcome = self
-                .store
-                .send(SetStatus { updates })
+            // The StoreActor counts what the write did (`record_status_outcome`).
+            self.store
+                .call(ReportStatus { updates })
                 .await
-                .map_err(unavailable)?
                 .map_err(store_status)?;
-            self.metrics.record_status_outcome(outcome.counts());
         }
         Ok(Response::new(SetBatchActivationStatusResponse {}))
     }

@@ -472,9 +472,10 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 pub fn start_store_actor(
     store: Arc<dyn ActivationStore>,
     metrics: Arc<taskbroker::metrics::Metrics>,
-) -> actix::Addr<taskbroker::actors::StoreActor> {
-    use actix::Actor as _;
-    taskbroker::actors::StoreActor::start_in_arbiter(&actix::Arbiter::new().handle(), move |_| {
-        taskbroker::actors::StoreActor::new(store, metrics)
-    })
+) -> taskbroker::actors::StoreHandle {
+    taskbroker::actors::StoreHandle::start_in_arbiter(
+        &actix::Arbiter::new().handle(),
+        store,
+        metrics,
+    )
 }

@@ -34,9 +34,18 @@
 //! write gets `stop_grace` more to finish, and nothing is retried, so a
 //! store or Kafka outage cannot hold shutdown up. What could not be stored
 //! or dead-lettered is left uncommitted for the next owner.
+//!
+//! Beside this file, by job: `batch.rs` classifies records into the batch,
+//! `writes.rs` stores it and dead-letters its invalid records through
+//! outages, `pause.rs` keeps backpressure and the partitions' pause,
+//! `rebalance.rs` follows partition ownership, `dead_letter.rs` builds
+//! ingest dead-letter records.
 
+mod batch;
 mod dead_letter;
+mod pause;
 mod rebalance;
+mod writes;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -51,19 +60,18 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use self::dead_letter::{DEAD_LETTER_DELIVERY_TIMEOUT, Invalid};
+use self::batch::{Batch, record_of};
+use self::dead_letter::DEAD_LETTER_DELIVERY_TIMEOUT;
 pub use self::dead_letter::{
     DEAD_LETTER_HEADER_ROOM, ERROR_HEADER, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
     dead_letter_cut,
 };
 use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
-use super::store::{CountByStatus, InsertBatch, StoreActor};
+use super::store::StoreHandle;
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
-use crate::model::InflightActivation;
-use crate::model::{ActivationError, KafkaPosition, inflight_from_record};
-use crate::store::StoreError;
+use crate::model::ActivationError;
 use crate::supervisor::Health;
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
@@ -119,7 +127,7 @@ type StopSignal = watch::Receiver<Option<Instant>>;
 
 pub struct ConsumerActor {
     config: ConsumerConfig,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     stop: watch::Sender<Option<Instant>>,
@@ -129,7 +137,7 @@ pub struct ConsumerActor {
 impl ConsumerActor {
     pub fn new(
         config: ConsumerConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -193,24 +201,6 @@ impl Handler<StopConsuming> for ConsumerActor {
     }
 }
 
-/// Records read since the last flush.
-#[derive(Default)]
-struct Batch {
-    rows: Vec<InflightActivation>,
-    invalid: Vec<Invalid>,
-    expired: u64,
-    /// Per (topic, partition): the ownership generation the records were
-    /// read under, and the highest offset read.
-    offsets: BTreeMap<(String, i32), (u64, i64)>,
-    started: Option<Instant>,
-}
-
-impl Batch {
-    fn records(&self) -> usize {
-        self.rows.len() + self.invalid.len() + self.expired as usize
-    }
-}
-
 /// How a flush ended.
 #[derive(Debug, PartialEq, Eq)]
 enum Flushed {
@@ -228,21 +218,6 @@ enum Flushed {
 #[derive(Debug)]
 struct Stopped;
 
-/// Exponential backoff between retries.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff(RETRY_BACKOFF_MIN)
-    }
-
-    fn next(&mut self) -> Duration {
-        let pause = self.0;
-        self.0 = (self.0 * 2).min(RETRY_BACKOFF_MAX);
-        pause
-    }
-}
-
 /// Resolves once stop is requested (or the actor is gone).
 async fn stop_requested(stop: &mut StopSignal) {
     let _ = stop.wait_for(Option::is_some).await;
@@ -257,23 +232,6 @@ async fn give_up(mut stop: StopSignal) {
     tokio::time::sleep_until(deadline).await;
 }
 
-/// The payload and position of a record, owned, so the borrowed message
-/// (and with it the consumer) is released at once.
-fn record_of(message: &impl rdkafka::message::Message) -> (Vec<u8>, KafkaPosition) {
-    let position = KafkaPosition {
-        topic: message.topic().to_owned(),
-        partition: message.partition(),
-        offset: message.offset(),
-    };
-    (message.payload().unwrap_or_default().to_vec(), position)
-}
-
-/// The outcome of one insert, retried through transient failures.
-enum Inserted {
-    Stored(u64),
-    Rejected(StoreError),
-}
-
 struct ConsumeLoop {
     config: ConsumerConfig,
     consumer: StreamConsumer<RebalanceContext>,
@@ -281,7 +239,7 @@ struct ConsumeLoop {
     dead_letters: Producer,
     error_log: ThrottledLog,
     rebalances: mpsc::UnboundedReceiver<Rebalanced>,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     stop: StopSignal,
@@ -313,7 +271,7 @@ impl Drop for ConsumeLoop {
 impl ConsumeLoop {
     fn start(
         config: ConsumerConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
         stop: StopSignal,
@@ -461,66 +419,6 @@ impl ConsumeLoop {
         }
     }
 
-    /// Classifies one record into the batch being built.
-    fn read(&mut self, payload: Vec<u8>, position: KafkaPosition) {
-        let batch = &mut self.batch;
-        batch.started.get_or_insert_with(Instant::now);
-        let generation = self
-            .ownership
-            .generation(&position.topic, position.partition);
-        let offset = position.offset;
-        batch
-            .offsets
-            .entry((position.topic.clone(), position.partition))
-            .and_modify(|(read_under, highest)| {
-                if *read_under == generation {
-                    *highest = (*highest).max(offset);
-                } else {
-                    // Read again under a new ownership: only what was read
-                    // since counts.
-                    *read_under = generation;
-                    *highest = offset;
-                }
-            })
-            .or_insert((generation, offset));
-
-        let limit = self.config.max_activation_bytes;
-        if payload.len() > limit {
-            let error = ActivationError::TooLarge {
-                bytes: payload.len(),
-                limit,
-            };
-            // Producers and topics are sized for MAX_ACTIVATION_BYTES: an
-            // oversized record goes to the DLQ cut short (its full bytes
-            // stay in the source topic, named by the source header), so it
-            // can never block the partition.
-            let original_len = payload.len();
-            let mut bytes = payload;
-            bytes.truncate(dead_letter_cut(limit));
-            batch.invalid.push(Invalid {
-                bytes,
-                original_len: Some(original_len),
-                position,
-                error,
-            });
-        } else {
-            let now = chrono::Utc::now();
-            match inflight_from_record(&payload, position.clone(), now, self.config.max_delay) {
-                Ok(row) if row.expires_at.is_some_and(|expires| expires <= now) => {
-                    batch.expired += 1;
-                }
-                Ok(row) => batch.rows.push(row),
-                Err(error) => batch.invalid.push(Invalid {
-                    bytes: payload,
-                    original_len: None,
-                    position,
-                    error,
-                }),
-            }
-        }
-        self.show_pending();
-    }
-
     fn show_pending(&self) {
         self.metrics
             .consumer_pending_records
@@ -624,164 +522,6 @@ impl ConsumeLoop {
         Flushed::Committed
     }
 
-    /// Waits, paused, while the store holds `MAX_INFLIGHT` rows or more:
-    /// the check before every insert.
-    async fn wait_for_room(&mut self) -> Result<(), Stopped> {
-        if self.inflight < self.config.max_inflight {
-            return Ok(());
-        }
-        // The local count only grows between reads (rows stored, none
-        // finished): read the store before pausing on it.
-        self.refresh_inflight().await;
-        self.update_backpressure();
-        while self.full {
-            if !self.wait_polling(TICK).await {
-                return Err(Stopped);
-            }
-            self.refresh_inflight().await;
-            self.update_backpressure();
-        }
-        Ok(())
-    }
-
-    /// Stores `rows`. When the store refuses the batch as data, splits it in
-    /// halves until each refused row is alone; returns how many rows were
-    /// new and the refused rows, ready for the ingest DLQ.
-    async fn store_rows(
-        &mut self,
-        rows: Vec<InflightActivation>,
-    ) -> Result<(u64, Vec<Invalid>), Stopped> {
-        let mut stored = 0;
-        let mut refused = Vec::new();
-        let mut groups = vec![rows];
-        while let Some(group) = groups.pop() {
-            let group = Arc::new(group);
-            match self.insert_retrying(Arc::clone(&group)).await? {
-                Inserted::Stored(count) => stored += count,
-                Inserted::Rejected(err) => {
-                    // The StoreActor has usually dropped its copy by now;
-                    // cloning is the rare fallback.
-                    let mut group =
-                        Arc::try_unwrap(group).unwrap_or_else(|shared| (*shared).clone());
-                    if group.len() > 1 {
-                        let second = group.split_off(group.len() / 2);
-                        groups.push(second);
-                        groups.push(group);
-                    } else if let Some(row) = group.pop() {
-                        refused.push(Invalid {
-                            position: KafkaPosition {
-                                topic: row.topic,
-                                partition: row.partition,
-                                offset: row.kafka_offset,
-                            },
-                            bytes: row.activation,
-                            original_len: None,
-                            error: ActivationError::StoreRejected(err.to_string()),
-                        });
-                    }
-                }
-            }
-        }
-        Ok((stored, refused))
-    }
-
-    /// One insert, retried with backoff through anything but a refusal of
-    /// the data: offsets never move past rows that are not stored.
-    async fn insert_retrying(
-        &mut self,
-        rows: Arc<Vec<InflightActivation>>,
-    ) -> Result<Inserted, Stopped> {
-        let mut backoff = Backoff::new();
-        loop {
-            let insert = self.store.send(InsertBatch {
-                rows: Arc::clone(&rows),
-            });
-            let pause = backoff.next();
-            match self.attempt(insert).await.ok_or(Stopped)? {
-                Ok(Ok(stored)) => return Ok(Inserted::Stored(stored)),
-                Ok(Err(err @ StoreError::Rejected { .. })) => {
-                    tracing::warn!(error = %err, rows = rows.len(), "the store refused a consumed batch; isolating the refused rows");
-                    return Ok(Inserted::Rejected(err));
-                }
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, retry_in = ?pause, "store actor unreachable; retrying");
-                }
-            }
-            self.held = true;
-            if !self.wait_polling(pause).await {
-                return Err(Stopped);
-            }
-        }
-    }
-
-    /// Writes every invalid record to the ingest dead-letter topic and
-    /// returns once Kafka acknowledged them all; failed writes are retried
-    /// with backoff, partitions paused, so an offset never moves past a
-    /// record that is neither stored nor dead-lettered.
-    async fn dead_letter(&mut self, invalid: Vec<Invalid>) -> Result<(), Stopped> {
-        for record in &invalid {
-            let reason = record.error.reason();
-            self.metrics
-                .invalid_records
-                .with_label_values(&[reason])
-                .inc();
-            self.metrics
-                .consumer_records
-                .with_label_values(&["invalid"])
-                .inc();
-            let position = &record.position;
-            tracing::warn!(
-                topic = %position.topic,
-                partition = position.partition,
-                offset = position.offset,
-                reason,
-                error = %record.error,
-                "invalid activation record; sending it to the ingest dead-letter topic"
-            );
-        }
-        let mut pending = invalid;
-        let mut backoff = Backoff::new();
-        while !pending.is_empty() {
-            let sends = futures::future::join_all(pending.iter().map(|record| {
-                dead_letter::send(&self.dead_letters, &self.config.ingest_dlq_topic, record)
-            }));
-            let results = self.attempt(sends).await.ok_or(Stopped)?;
-            let mut failed = Vec::new();
-            let mut last_error = None;
-            for (record, result) in pending.into_iter().zip(results) {
-                let label = if result.is_ok() { "ok" } else { "error" };
-                self.metrics
-                    .ingest_dead_letters
-                    .with_label_values(&[label])
-                    .inc();
-                if let Err(err) = result {
-                    last_error = Some(err);
-                    failed.push(record);
-                }
-            }
-            pending = failed;
-            if let Some(err) = last_error {
-                let pause = backoff.next();
-                tracing::warn!(
-                    error = %err,
-                    records = pending.len(),
-                    topic = %self.config.ingest_dlq_topic,
-                    retry_in = ?pause,
-                    "cannot write invalid records to the ingest dead-letter topic; \
-                     partitions paused until it succeeds"
-                );
-                self.held = true;
-                if !self.wait_polling(pause).await {
-                    return Err(Stopped);
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Runs one write, unless the consumer is stopping and its grace ran
     /// out first (`None`).
     async fn attempt<T>(&self, write: impl Future<Output = T>) -> Option<T> {
@@ -851,83 +591,11 @@ impl ConsumeLoop {
             tracing::warn!(error = %err, "cannot commit offsets; they are committed with the next batch");
         }
     }
-
-    async fn refresh_inflight(&mut self) {
-        let count = self.store.send(CountByStatus {});
-        if let Some(Ok(Ok(counts))) = self.attempt(count).await {
-            self.inflight = counts.inflight();
-        }
-    }
-
-    /// Pauses at `MAX_INFLIGHT`, resumes below 90 % of it.
-    fn update_backpressure(&mut self) {
-        let limit = self.config.max_inflight;
-        if !self.full && self.inflight >= limit {
-            tracing::info!(
-                inflight = self.inflight,
-                limit,
-                "store full; pausing consumption"
-            );
-            self.full = true;
-        } else if self.full && self.inflight < limit - limit / 10 {
-            tracing::info!(
-                inflight = self.inflight,
-                "store drained; resuming consumption"
-            );
-            self.full = false;
-        }
-        self.update_pause();
-    }
-
-    /// Pauses or resumes every assigned partition to match the state, and
-    /// tells the rebalance callback whether to pause new ones.
-    fn update_pause(&mut self) {
-        let hold = self.full || self.held;
-        self.ownership.lock().hold = hold;
-        if hold == self.paused {
-            return;
-        }
-        self.paused = hold;
-        if hold {
-            self.pause_assigned();
-        } else {
-            if let Ok(assigned) = self.consumer.assignment()
-                && let Err(err) = self.consumer.resume(&assigned)
-            {
-                tracing::warn!(error = %err, "cannot resume partitions");
-            }
-            self.metrics.partitions_paused.set(0);
-        }
-    }
-
-    fn pause_assigned(&self) {
-        match self.consumer.assignment() {
-            Ok(assigned) => {
-                if let Err(err) = self.consumer.pause(&assigned) {
-                    tracing::warn!(error = %err, "cannot pause partitions");
-                }
-                self.metrics.partitions_paused.set(assigned.count() as i64);
-            }
-            Err(err) => tracing::warn!(error = %err, "cannot read the assignment"),
-        }
-    }
 }
 
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_its_ceiling() {
-        let mut backoff = Backoff::new();
-        let pauses: Vec<u64> = (0..9).map(|_| backoff.next().as_millis() as u64).collect();
-        assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
     }
 }

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use clap::{Parser, Subcommand};
 use demo::{DemoWorker, Mode};
-use taskbroker::actors::StoreActor;
+use taskbroker::actors::StoreHandle;
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
@@ -198,9 +198,7 @@ async fn run_status(args: &StatusArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-            StoreActor::new(store, metrics)
-        })
+        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
     };
     // The server on an Arbiter of its own, as in the broker.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -391,9 +389,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-            StoreActor::new(store, metrics)
-        })
+        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
     };
     let started = Instant::now();
     let cpu_before = cpu_seconds();
@@ -498,9 +494,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreActor::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-            StoreActor::new(store, metrics)
-        })
+        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
     };
     let config = PushPipelineConfig {
         fetch_actors: args.fetch_actors,

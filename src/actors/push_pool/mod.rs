@@ -42,9 +42,14 @@
 //! Messages still in the mailbox, and the one held waiting for a slot, are
 //! dropped with their claims left in the registry for the final release;
 //! pushes in flight end within their push timeout.
+//!
+//! Beside this file: `outcome.rs` classifies a push's result, `endpoints.rs`
+//! routes applications to worker endpoints and keeps each one's backoff.
+
+mod endpoints;
+mod outcome;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -52,24 +57,18 @@ use actix::prelude::*;
 use prost::Message as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tonic::Code;
+
+use self::endpoints::Router;
+use self::outcome::{NotSent, PushOutcome, Unknown};
 
 use super::claims::{ClaimGuard, ClaimRegistry};
-use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreActor, UndoClaim};
+use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreHandle, UndoClaim};
 use crate::config::WorkerEndpoints;
 use crate::metrics::Metrics;
 use crate::model::InflightActivation;
 use crate::proto::TaskActivation;
 use crate::wire::worker_client::{PushTaskBytes, WorkerClient};
 
-/// First pause after an endpoint fails; doubles per failure up to
-/// [`MAX_ENDPOINT_BACKOFF`], and resets on the first success.
-const MIN_ENDPOINT_BACKOFF: Duration = Duration::from_millis(25);
-/// Longest pause between attempts to a failing endpoint: short enough that a
-/// worker coming back gets pushes again within a second.
-const MAX_ENDPOINT_BACKOFF: Duration = Duration::from_millis(500);
-/// At most one failure log line per endpoint in this interval.
-const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(5);
 /// How long an activation whose application has no worker endpoint waits in
 /// Delay before it is offered again: long enough not to spin on a
 /// misconfiguration, short enough that fixing `WORKER_ENDPOINTS` (and
@@ -139,7 +138,7 @@ pub struct PushPoolActor {
 struct PushShared {
     config: PushPoolConfig,
     router: Router,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     metrics: Arc<Metrics>,
     /// Per application: when its last "no worker endpoint" line was
     /// logged, and how many of its activations were deferred since.
@@ -161,7 +160,7 @@ impl PushPoolActor {
     /// `registry` carries the pipeline's shutdown signal.
     pub fn new(
         config: PushPoolConfig,
-        store: Addr<StoreActor>,
+        store: StoreHandle,
         metrics: Arc<Metrics>,
         registry: ClaimRegistry,
     ) -> Self {
@@ -357,22 +356,19 @@ impl PushShared {
     async fn mark_pushed(&self, claim: ClaimGuard) {
         let moved = self
             .store
-            .send(MarkPushed {
+            .call(MarkPushed {
                 claim: claim.token().clone(),
                 deadline_grace: self.config.deadline_grace,
             })
             .await;
         match moved {
-            Ok(Ok(true)) => {}
+            Ok(true) => {}
             // The row moved on before the write: claimed again after its
             // lease ran out (a duplicate delivery), or already finished by
             // the worker's report. Counted, nothing changed.
-            Ok(Ok(false)) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
-            }
+            Ok(false) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
             Err(err) => {
-                tracing::warn!(error = %err, "store actor gone; the lease will return the pushed claim");
+                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
             }
         }
         claim.settle();
@@ -382,24 +378,23 @@ impl PushShared {
     async fn undo(&self, claim: ClaimGuard) {
         let undone = self
             .store
-            .send(UndoClaim {
+            .call(UndoClaim {
                 claim: claim.token().clone(),
             })
             .await;
         match undone {
-            Ok(Ok(true)) => self
+            Ok(true) => self
                 .metrics
                 .claims_released
                 .with_label_values(&["push_failed"])
                 .inc(),
             // Already moved on (lease expired and claimed again).
-            Ok(Ok(false)) => {}
-            Ok(Err(err)) => {
+            Ok(false) => {}
+            // Includes the store actor being gone: the guard's own release
+            // would be lost too; the lease returns the row.
+            Err(err) => {
                 tracing::warn!(error = %err, "cannot undo a failed push; the lease will return it");
             }
-            // The store actor is gone: the guard's own release would be
-            // lost too; the lease returns the row.
-            Err(_) => {}
         }
         claim.settle();
     }
@@ -408,18 +403,12 @@ impl PushShared {
     async fn fail(&self, claim: ClaimGuard, why: &'static str) {
         let sent = self
             .store
-            .send(FailClaims {
+            .call(FailClaims {
                 claims: vec![claim.token().clone()],
             })
             .await;
-        match sent {
-            Ok(Ok(_)) => {}
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, why, "store actor gone; the lease will return the claim");
-            }
+        if let Err(err) = sent {
+            tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
         }
         claim.settle();
     }
@@ -433,11 +422,11 @@ impl PushShared {
             .inc();
         let released = self
             .store
-            .send(UndoClaim {
+            .call(UndoClaim {
                 claim: claim.token().clone(),
             })
             .await;
-        if let Ok(Err(err)) = &released {
+        if let Err(err) = &released {
             tracing::warn!(error = %err, "cannot release a claim too old to push; its lease will");
         }
         claim.settle();
@@ -453,12 +442,12 @@ impl PushShared {
             + chrono::TimeDelta::from_std(NO_ROUTE_BACKOFF).unwrap_or(chrono::TimeDelta::MAX);
         let deferred = self
             .store
-            .send(DeferClaims {
+            .call(DeferClaims {
                 claims: vec![claim.token().clone()],
                 until,
             })
             .await;
-        if let Ok(Err(err)) = &deferred {
+        if let Err(err) = &deferred {
             tracing::warn!(error = %err, "cannot defer an unroutable claim; its lease will return it");
         }
         claim.settle();
@@ -508,319 +497,14 @@ impl PushShared {
         );
         let sent = self
             .store
-            .send(FailClaimAttempt {
+            .call(FailClaimAttempt {
                 claims: vec![claim.token().clone()],
                 max_attempts: self.config.max_attempts,
             })
             .await;
-        if let Ok(Err(err)) = &sent {
+        if let Err(err) = &sent {
             tracing::warn!(error = %err, "cannot record an undeliverable claim; the lease will return it");
         }
         claim.settle();
-    }
-}
-
-/// How a push ended, as far as the broker can tell.
-#[derive(Debug, PartialEq)]
-enum PushOutcome {
-    Ok,
-    /// Provably never reached the worker's handler: safe to push again.
-    NotSent(NotSent),
-    /// The worker may have received (and may run) the task.
-    Unknown(Unknown),
-    /// The request is larger than the worker (or the client) accepts.
-    TooLarge(String),
-}
-
-#[derive(Debug, PartialEq)]
-enum NotSent {
-    /// The endpoint's backoff outlasted the admission wait.
-    AdmissionTimeout,
-    /// The connection could not be made; the request was never written.
-    Unreachable(String),
-    /// RESOURCE_EXHAUSTED from the worker: its queue is full.
-    Busy,
-}
-
-#[derive(Debug, PartialEq)]
-enum Unknown {
-    /// No answer within the push timeout, after the request was sent.
-    Timeout,
-    Error(String),
-}
-
-impl PushOutcome {
-    /// Classifies a failed RPC's status.
-    fn of_status(status: &tonic::Status) -> PushOutcome {
-        if is_too_large(status) {
-            return PushOutcome::TooLarge(status.message().to_owned());
-        }
-        if status.code() == Code::ResourceExhausted {
-            return PushOutcome::NotSent(NotSent::Busy);
-        }
-        if failed_to_connect(status) {
-            return PushOutcome::NotSent(NotSent::Unreachable(status.message().to_owned()));
-        }
-        match status.code() {
-            Code::DeadlineExceeded | Code::Cancelled => PushOutcome::Unknown(Unknown::Timeout),
-            _ => PushOutcome::Unknown(Unknown::Error(status.message().to_owned())),
-        }
-    }
-
-    fn label(&self) -> &'static str {
-        match self {
-            PushOutcome::Ok => "ok",
-            PushOutcome::NotSent(NotSent::Busy) => "busy",
-            PushOutcome::NotSent(NotSent::AdmissionTimeout)
-            | PushOutcome::Unknown(Unknown::Timeout) => "timeout",
-            PushOutcome::NotSent(NotSent::Unreachable(_))
-            | PushOutcome::Unknown(Unknown::Error(_)) => "error",
-            PushOutcome::TooLarge(_) => "too_large",
-        }
-    }
-
-    fn detail(&self) -> &str {
-        match self {
-            PushOutcome::NotSent(NotSent::Unreachable(detail))
-            | PushOutcome::Unknown(Unknown::Error(detail))
-            | PushOutcome::TooLarge(detail) => detail,
-            _ => "",
-        }
-    }
-
-    /// Whether the endpoint answered as a healthy worker does (a request
-    /// too large is the message's fault, not the endpoint's).
-    fn endpoint_healthy(&self) -> bool {
-        matches!(self, PushOutcome::Ok | PushOutcome::TooLarge(_))
-    }
-}
-
-/// A message-size refusal: tonic's own limits answer OUT_OF_RANGE ("decoded
-/// message length too large" from a Rust worker, "encoded message length
-/// too large" from this client), gRPC C-core and Python workers answer
-/// RESOURCE_EXHAUSTED ("Received message larger than max"). A busy worker's
-/// RESOURCE_EXHAUSTED says nothing of the kind.
-fn is_too_large(status: &tonic::Status) -> bool {
-    if !matches!(status.code(), Code::ResourceExhausted | Code::OutOfRange) {
-        return false;
-    }
-    let message = status.message().to_ascii_lowercase();
-    ["too large", "larger than max", "more than 4gb"]
-        .iter()
-        .any(|phrase| message.contains(phrase))
-}
-
-/// Whether the RPC failed while connecting, before any request was written:
-/// tonic keeps the transport's `ConnectError` in the status's source chain.
-fn failed_to_connect(status: &tonic::Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(err) = source {
-        if err.is::<tonic::ConnectError>() {
-            return true;
-        }
-        source = err.source();
-    }
-    false
-}
-
-/// Application → worker endpoints, spread round-robin.
-struct Router {
-    by_application: HashMap<String, Vec<Arc<WorkerEndpoint>>>,
-    fallback: Option<Vec<Arc<WorkerEndpoint>>>,
-    next: AtomicUsize,
-}
-
-impl Router {
-    fn new(endpoints: &WorkerEndpoints, connect_timeout: Duration) -> Result<Self, String> {
-        let mut by_url: HashMap<String, Arc<WorkerEndpoint>> = HashMap::new();
-        let mut endpoint = |url: &str| -> Result<Arc<WorkerEndpoint>, String> {
-            if let Some(existing) = by_url.get(url) {
-                return Ok(Arc::clone(existing));
-            }
-            let created = Arc::new(WorkerEndpoint {
-                // Only for logs: credentials in the URL never reach them.
-                url: crate::config::redact_url(url).into_owned(),
-                client: WorkerClient::connect_lazy(url, connect_timeout)?,
-                health: Mutex::new(Health::default()),
-            });
-            by_url.insert(url.to_owned(), Arc::clone(&created));
-            Ok(created)
-        };
-        let mut by_application = HashMap::new();
-        for (application, urls) in endpoints.applications() {
-            let list = urls
-                .iter()
-                .map(|url| endpoint(url))
-                .collect::<Result<Vec<_>, _>>()?;
-            by_application.insert(application.to_owned(), list);
-        }
-        let fallback = endpoints
-            .fallback()
-            .map(|urls| urls.iter().map(|url| endpoint(url)).collect())
-            .transpose()?;
-        Ok(Router {
-            by_application,
-            fallback,
-            next: AtomicUsize::new(0),
-        })
-    }
-
-    /// The next endpoint for `application`, preferring ones not backing off.
-    fn pick(&self, application: &str) -> Option<Arc<WorkerEndpoint>> {
-        let list = self
-            .by_application
-            .get(application)
-            .or(self.fallback.as_ref())?;
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
-        let rotated = (0..list.len()).map(|i| &list[(start + i) % list.len()]);
-        rotated
-            .clone()
-            .find(|endpoint| endpoint.available_at() <= now)
-            .or_else(|| rotated.min_by_key(|endpoint| endpoint.available_at()))
-            .cloned()
-    }
-}
-
-/// One worker URL and its health.
-struct WorkerEndpoint {
-    url: String,
-    client: WorkerClient,
-    health: Mutex<Health>,
-}
-
-#[derive(Default)]
-struct Health {
-    consecutive_failures: u32,
-    /// While backing off: no push before this instant.
-    retry_at: Option<Instant>,
-    /// While backing off, one push at a time probes the endpoint.
-    probing: bool,
-    last_logged: Option<Instant>,
-    unlogged_failures: u64,
-}
-
-impl WorkerEndpoint {
-    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
-        self.health.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn available_at(&self) -> Instant {
-        let health = self.health();
-        match health.retry_at {
-            Some(at) if health.probing => at.max(Instant::now() + MIN_ENDPOINT_BACKOFF),
-            Some(at) => at,
-            None => Instant::now() - Duration::from_millis(1),
-        }
-    }
-
-    /// Waits until this endpoint may be tried: at once while healthy; while
-    /// backing off, one probe at a time once the backoff has passed. Gives
-    /// up at `deadline`.
-    async fn admit(&self, deadline: Instant) -> Result<(), ()> {
-        loop {
-            let wait_until = {
-                let mut health = self.health();
-                match health.retry_at {
-                    None => return Ok(()),
-                    Some(at) if !health.probing && Instant::now() >= at => {
-                        health.probing = true;
-                        return Ok(());
-                    }
-                    Some(_) if health.probing => Instant::now() + MIN_ENDPOINT_BACKOFF,
-                    Some(at) => at,
-                }
-            };
-            if wait_until >= deadline {
-                tokio::time::sleep_until(deadline).await;
-                return Err(());
-            }
-            tokio::time::sleep_until(wait_until).await;
-        }
-    }
-
-    fn record(&self, outcome: &PushOutcome) {
-        let mut health = self.health();
-        health.probing = false;
-        if outcome.endpoint_healthy() {
-            if health.consecutive_failures > 0 {
-                tracing::info!(endpoint = %self.url, "worker endpoint recovered");
-            }
-            health.consecutive_failures = 0;
-            health.retry_at = None;
-            return;
-        }
-        health.consecutive_failures = health.consecutive_failures.saturating_add(1);
-        let exponent = health.consecutive_failures.saturating_sub(1).min(16);
-        let backoff = MIN_ENDPOINT_BACKOFF
-            .saturating_mul(1 << exponent)
-            .min(MAX_ENDPOINT_BACKOFF);
-        let now = Instant::now();
-        health.retry_at = Some(now + backoff);
-        let log_now = health
-            .last_logged
-            .is_none_or(|at| now.duration_since(at) >= FAILURE_LOG_INTERVAL);
-        if log_now {
-            let detail = outcome.detail();
-            tracing::warn!(
-                endpoint = %self.url,
-                result = outcome.label(),
-                detail,
-                failures_since_last_log = health.unlogged_failures,
-                "push to worker failed; backing off"
-            );
-            health.last_logged = Some(now);
-            health.unlogged_failures = 0;
-        } else {
-            health.unlogged_failures += 1;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tonic::Status;
-
-    #[test]
-    fn size_refusals_are_too_large_not_busy() {
-        for status in [
-            // tonic server (a Rust worker) and tonic client limits.
-            Status::out_of_range(
-                "Error, decoded message length too large: found 5000 bytes, the limit is: 1024 bytes",
-            ),
-            Status::out_of_range(
-                "Error, encoded message length too large: found 5000 bytes, the limit is: 1024 bytes",
-            ),
-            // gRPC C-core (a Python worker).
-            Status::resource_exhausted("Received message larger than max (5000 vs. 4194304)"),
-        ] {
-            assert!(
-                matches!(PushOutcome::of_status(&status), PushOutcome::TooLarge(_)),
-                "{status:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_busy_worker_is_not_sent_and_other_errors_are_unknown() {
-        assert_eq!(
-            PushOutcome::of_status(&Status::resource_exhausted("queue full")),
-            PushOutcome::NotSent(NotSent::Busy)
-        );
-        assert_eq!(
-            PushOutcome::of_status(&Status::deadline_exceeded("late")),
-            PushOutcome::Unknown(Unknown::Timeout)
-        );
-        // Without a connection error in its source chain, UNAVAILABLE may
-        // come from a worker that received the task (shutting down).
-        assert!(matches!(
-            PushOutcome::of_status(&Status::unavailable("worker shutting down")),
-            PushOutcome::Unknown(Unknown::Error(_))
-        ));
-        assert!(matches!(
-            PushOutcome::of_status(&Status::out_of_range("attempt out of range")),
-            PushOutcome::Unknown(Unknown::Error(_))
-        ));
     }
 }

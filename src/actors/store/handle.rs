@@ -1,0 +1,97 @@
+//! [`StoreHandle`]: how every other part of the broker talks to the
+//! StoreActor. It answers each message with the store's own
+//! `StoreResult<T>`, folding a StoreActor that cannot be reached (stopped,
+//! or its mailbox closed) into `StoreError::Unavailable` for the message's
+//! operation, so callers handle one error type and never see actix's
+//! `MailboxError` or the actor's address.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use actix::dev::SendError;
+use actix::prelude::*;
+
+use super::{StoreActor, StoreMessage};
+use crate::metrics::Metrics;
+use crate::store::{ActivationStore, StoreError, StoreResult};
+
+/// A typed, cloneable handle on a running StoreActor.
+#[derive(Clone)]
+pub struct StoreHandle {
+    addr: Addr<StoreActor>,
+}
+
+impl StoreHandle {
+    /// Starts a StoreActor for `store` on `arbiter` (a thread of its own, as
+    /// the broker runs it).
+    pub fn start_in_arbiter(
+        arbiter: &ArbiterHandle,
+        store: Arc<dyn ActivationStore>,
+        metrics: Arc<Metrics>,
+    ) -> StoreHandle {
+        StoreHandle {
+            addr: StoreActor::start_in_arbiter(arbiter, move |_| StoreActor::new(store, metrics)),
+        }
+    }
+
+    /// Starts a StoreActor for `store` on the current Arbiter.
+    pub fn start(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> StoreHandle {
+        StoreHandle {
+            addr: StoreActor::new(store, metrics).start(),
+        }
+    }
+
+    /// Sends `msg` now (it queues behind the messages sent before it) and
+    /// resolves with the StoreActor's answer. Not an `async fn` on purpose:
+    /// the message is queued when `call` is called, not when the future is
+    /// first polled, so callers can rely on the order of their calls.
+    pub fn call<M>(&self, msg: M) -> impl Future<Output = StoreResult<M::Output>> + Send + 'static
+    where
+        M: StoreMessage,
+        StoreActor: Handler<M>,
+    {
+        let request = self.addr.send(msg);
+        async move {
+            request.await.unwrap_or_else(|err| {
+                Err(StoreError::Unavailable {
+                    operation: M::OPERATION,
+                    message: format!("store actor not reachable: {err}"),
+                })
+            })
+        }
+    }
+
+    /// Queues `msg` without waiting for its answer, for callers that cannot
+    /// wait (a guard's `Drop`). Fails at once, `Unavailable`, when the
+    /// StoreActor's mailbox is full or closed.
+    pub fn send_and_forget<M>(&self, msg: M) -> StoreResult<()>
+    where
+        M: StoreMessage,
+        StoreActor: Handler<M>,
+    {
+        self.addr.try_send(msg).map_err(|err| {
+            let message = match err {
+                SendError::Full(_) => "store actor mailbox full",
+                SendError::Closed(_) => "store actor stopped",
+            };
+            StoreError::Unavailable {
+                operation: M::OPERATION,
+                message: message.to_owned(),
+            }
+        })
+    }
+
+    /// Whether the StoreActor is still running (it stops only with its
+    /// Arbiter).
+    pub fn is_running(&self) -> bool {
+        self.addr.connected()
+    }
+}
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreHandle")
+            .field("running", &self.is_running())
+            .finish()
+    }
+}

@@ -1,0 +1,202 @@
+//! StoreActor: owns the store (the PostgreSQL pool or the SQLite connection)
+//! and answers one typed message per intent.
+//!
+//! - Receives: the messages below (one per store operation the broker
+//!   uses), and the combined writes [`MarkPushed`] and [`ReportStatus`].
+//! - Sends: nothing; every message is answered with `StoreResult<T>`.
+//! - Mailbox: `MAILBOX_CAPACITY`. The actor never waits on the database
+//!   itself: each handler returns a future that actix spawns, so queries from
+//!   many senders run concurrently over the pool instead of one at a time.
+//!
+//! Callers hold a [`StoreHandle`] (`handle.rs`), never the actor's address:
+//! it answers every message with `StoreResult<T>`. Frequent small writes
+//! (mark processing after each push, workers' reports) are combined into
+//! few statements (`combined.rs`); that is why the StoreActor exists rather
+//! than callers using the store directly.
+//!
+//! Every operation's latency and errors are recorded in [`Metrics`], which is
+//! also how tests count the statements an operation ran.
+
+mod combined;
+mod handle;
+
+pub use combined::{MarkPushed, ReportStatus};
+pub use handle::StoreHandle;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use crate::metrics::Metrics;
+use crate::model::{
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate,
+};
+use crate::store::{ActivationStore, StoreError, StoreResult};
+
+/// Messages queue here only while actix hands them to their futures, so a
+/// modest bound is enough; senders using `send` wait when it is full.
+pub const MAILBOX_CAPACITY: usize = 1024;
+
+pub struct StoreActor {
+    store: Arc<dyn ActivationStore>,
+    metrics: Arc<Metrics>,
+    pushed: combined::CombinedWrites<(ClaimToken, Duration), bool>,
+    reported: combined::CombinedWrites<Vec<StatusUpdate>, ()>,
+}
+
+impl StoreActor {
+    /// Started only through [`StoreHandle`], so no caller holds its address.
+    fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
+        StoreActor {
+            store,
+            metrics,
+            pushed: Default::default(),
+            reported: Default::default(),
+        }
+    }
+}
+
+impl Actor for StoreActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(MAILBOX_CAPACITY);
+    }
+}
+
+/// A message the StoreActor answers with `StoreResult<Self::Output>`, named
+/// by its operation: the label of its metrics and of the `Unavailable`
+/// error a [`StoreHandle`] answers when the actor cannot be reached.
+pub trait StoreMessage: Message<Result = StoreResult<Self::Output>> + Send + 'static {
+    type Output: Send + 'static;
+    const OPERATION: &'static str;
+}
+
+/// Declares one message per store operation: the struct, its result type,
+/// its operation name and a handler that runs the operation concurrently and
+/// records its metrics.
+macro_rules! store_messages {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident { $($field:ident : $ty:ty),* $(,)? } -> $ret:ty,
+        $op:literal, |$store:ident, $msg:ident| $call:expr;
+    )*) => {$(
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name { $(pub $field: $ty),* }
+
+        impl Message for $name {
+            type Result = StoreResult<$ret>;
+        }
+
+        impl StoreMessage for $name {
+            type Output = $ret;
+            const OPERATION: &'static str = $op;
+        }
+
+        impl Handler<$name> for StoreActor {
+            type Result = ResponseFuture<StoreResult<$ret>>;
+
+            fn handle(&mut self, $msg: $name, _ctx: &mut Self::Context) -> Self::Result {
+                let store = Arc::clone(&self.store);
+                let metrics = Arc::clone(&self.metrics);
+                Box::pin(async move {
+                    let started = Instant::now();
+                    let $store = store.as_ref();
+                    let result = $call.await;
+                    metrics.observe_store(<$name as StoreMessage>::OPERATION, started.elapsed(), result.as_ref().err().map(StoreError::kind));
+                    result
+                })
+            }
+        }
+    )*};
+}
+
+store_messages! {
+    /// Store newly consumed activations (idempotent); answers how many were new.
+    /// Shared, so a sender retrying after an error keeps the rows without
+    /// copying the activation bytes for each attempt.
+    InsertBatch { rows: Arc<Vec<InflightActivation>> } -> u64,
+        "insert_batch", |store, msg| store.insert_batch(&msg.rows);
+
+    /// Claim Pending rows of a bucket range for push delivery.
+    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
+        "claim_for_push", |store, msg| store.claim_for_push(msg.buckets, msg.limit, msg.lease);
+
+    /// Pull mode: hand the oldest matching Pending row to a worker.
+    ClaimForPull { filter: PullFilter, deadline_grace: Duration } -> Option<InflightActivation>,
+        "claim_for_pull", |store, msg| store.claim_for_pull(&msg.filter, msg.deadline_grace);
+
+    /// Return claims to Pending in one fenced statement.
+    ReleaseClaims { claims: Vec<ClaimToken> } -> u64,
+        "release_claims", |store, msg| store.release_claims(&msg.claims);
+
+    /// A push failed: fenced return of one claim to Pending.
+    UndoClaim { claim: ClaimToken } -> bool,
+        "undo_claim", |store, msg| store.undo_claim(&msg.claim);
+
+    /// An undeliverable claim consumes an attempt (fenced).
+    FailClaimAttempt { claims: Vec<ClaimToken>, max_attempts: u32 } -> u64,
+        "fail_claim_attempt",
+        |store, msg| store.fail_claim_attempt(&msg.claims, msg.max_attempts);
+
+    /// Upkeep: expired claims back to Pending.
+    ReleaseExpiredClaims { limit: usize } -> u64,
+        "release_expired_claims", |store, msg| store.release_expired_claims(msg.limit);
+
+    /// Upkeep: processing deadlines passed.
+    HandleProcessingDeadlines { limit: usize } -> DeadlineOutcome,
+        "handle_processing_deadlines", |store, msg| store.handle_processing_deadlines(msg.limit);
+
+    /// Upkeep: Pending rows out of attempts → Failure.
+    FailExhaustedAttempts { max_attempts: u32, limit: usize } -> u64,
+        "fail_exhausted_attempts",
+        |store, msg| store.fail_exhausted_attempts(msg.max_attempts, msg.limit);
+
+    /// Upkeep: delete expired Pending rows.
+    RemoveExpired { limit: usize } -> u64,
+        "remove_expired", |store, msg| store.remove_expired(msg.limit);
+
+    /// Upkeep: due Delay rows → Pending.
+    ReleaseDelayed { limit: usize } -> u64,
+        "release_delayed", |store, msg| store.release_delayed(msg.limit);
+
+    /// Upkeep: take Retry or dead-letter rows to publish, leased.
+    TakeForPublish { kind: PublishKind, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+        "take_for_publish", |store, msg| store.take_for_publish(msg.kind, msg.limit, msg.lease);
+
+    /// Upkeep: discard Failure rows that are not dead-lettered.
+    DiscardFailures { limit: usize } -> u64,
+        "discard_failures", |store, msg| store.discard_failures(msg.limit);
+
+    /// Upkeep: Kafka acknowledged these rows' records.
+    MarkPublished { ids: Vec<String> } -> u64,
+        "mark_published", |store, msg| store.mark_published(&msg.ids);
+
+    /// Upkeep: delete Complete rows.
+    RemoveCompleted { limit: usize } -> u64,
+        "remove_completed", |store, msg| store.remove_completed(msg.limit);
+
+    /// Row counts per status.
+    CountByStatus {} -> StatusCounts,
+        "count_by_status", |store, _msg| store.count_by_status();
+
+    /// A cheap check that the store answers (health, readiness).
+    Ping {} -> (),
+        "ping", |store, _msg| store.ping();
+
+    /// Age of the oldest first-attempt Pending or Claimed row.
+    MaxPendingLag {} -> f64,
+        "max_pending_lag", |store, _msg| store.max_pending_lag();
+
+    /// A push used up an at_most_once task's delivery, or was too large:
+    /// fenced Claimed → Failure.
+    FailClaims { claims: Vec<ClaimToken> } -> u64,
+        "fail_claims", |store, msg| store.fail_claims(&msg.claims);
+
+    /// No worker serves the application: fenced Claimed → Delay until `until`.
+    DeferClaims { claims: Vec<ClaimToken>, until: chrono::DateTime<chrono::Utc> } -> u64,
+        "defer_claims", |store, msg| store.defer_claims(&msg.claims, msg.until);
+}

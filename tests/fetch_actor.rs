@@ -1,0 +1,154 @@
+//! The FetchActor against a fake neighbour: its push pool is any actor that
+//! takes `PushActivation`, here one whose mailbox (capacity 1) is never
+//! drained because the actor never runs. The store is a real SQLite store in
+//! a temporary file. This pins the handoff rule of `fetch.rs`: what the pool
+//! never took goes back to Pending in one release statement once the queue
+//! timeout has passed, and with one sender handle the stuck pool takes
+//! exactly one message.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use taskbroker::actors::FetchActor;
+use taskbroker::actors::StoreHandle;
+use taskbroker::actors::claims::ClaimRegistry;
+use taskbroker::actors::fetch::{FetchConfig, StopFetching};
+use taskbroker::actors::push_pool::PushActivation;
+use taskbroker::metrics::Metrics;
+use taskbroker::model::{ActivationStatus, BucketRange};
+use taskbroker::store::ActivationStore;
+
+const BATCH: usize = 8;
+/// Bound on every wait for an event; reaching it fails the test.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A push pool that accepts `PushActivation` and never handles one.
+struct StuckPool;
+
+impl Actor for StuckPool {
+    type Context = Context<Self>;
+}
+
+impl Handler<PushActivation> for StuckPool {
+    type Result = ();
+
+    fn handle(&mut self, _: PushActivation, _: &mut Self::Context) {
+        unreachable!("the stuck pool never runs");
+    }
+}
+
+#[actix_rt::test]
+async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
+    let db = common::TestSqlite::new();
+    let store: Arc<dyn ActivationStore> = db.store().await;
+    common::insert(store.as_ref(), &common::rows("stuck", BATCH)).await;
+    let metrics = Arc::new(Metrics::new());
+    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+
+    // Never started: its mailbox takes messages and nothing takes them out.
+    let mut pool: Context<StuckPool> = Context::new();
+    pool.set_mailbox_capacity(1);
+    let registry = ClaimRegistry::new();
+    let fetcher = FetchActor::new(
+        BucketRange::ALL,
+        FetchConfig {
+            batch_size: BATCH,
+            // No second claim within the test: the first iteration is the
+            // one under test.
+            backoff: Duration::from_secs(3600),
+            queue_timeout: Duration::from_millis(50),
+            lease: Duration::from_secs(60),
+            release_on_full: true,
+        },
+        handle.clone(),
+        pool.address().recipient(),
+        registry.clone(),
+        Arc::clone(&metrics),
+    )
+    .start();
+
+    common::wait_until("the submit times out on the stuck pool", WAIT, || {
+        let timeouts = Metrics::count(&metrics.submits, "timeout");
+        async move { timeouts > 0 }
+    })
+    .await;
+    // The release runs before the iteration ends; once the actor answers a
+    // message sent after the timeout, it is done.
+    fetcher
+        .send(StopFetching)
+        .await
+        .expect("fetch actor answers");
+
+    // One sender handle: a mailbox of capacity 1 took one message, the
+    // sender was then parked and every later try got `Full` back.
+    assert_eq!(Metrics::count(&metrics.submits, "ok"), 1);
+    assert_eq!(Metrics::count(&metrics.submits, "timeout"), 1);
+    assert_eq!(
+        registry.len(),
+        1,
+        "only the message in the mailbox holds a claim"
+    );
+    // The rest of the batch went back in one statement.
+    assert_eq!(metrics.store_calls("release_claims"), 1);
+    assert_eq!(
+        Metrics::count(&metrics.claims_released, "queue_timeout"),
+        BATCH as u64 - 1
+    );
+    let counts = store.count_by_status().await.expect("count");
+    assert_eq!(counts.get(ActivationStatus::Pending), BATCH as u64 - 1);
+    assert_eq!(counts.get(ActivationStatus::Claimed), 1);
+    let held = registry.snapshot();
+    let still_claimed = db_claimed(&db).await;
+    assert_eq!(
+        still_claimed,
+        held.iter()
+            .map(|token| token.id.clone())
+            .collect::<Vec<_>>(),
+        "the one Claimed row is the one the pool's mailbox holds"
+    );
+    assert_eq!(
+        attempts_consumed(store.as_ref()).await,
+        0,
+        "releasing consumes no attempt"
+    );
+
+    // The pool goes away with the message still in its mailbox: the guard
+    // releases its claim itself, and nothing stays Claimed or held.
+    drop(pool);
+    common::wait_until("the dropped message's claim is released", WAIT, || {
+        let store = Arc::clone(&store);
+        async move {
+            let counts = store.count_by_status().await.expect("count");
+            counts.get(ActivationStatus::Pending) == BATCH as u64
+        }
+    })
+    .await;
+    assert!(registry.is_empty());
+    assert_eq!(metrics.store_calls("release_claims"), 2);
+    assert_eq!(Metrics::count(&metrics.claims_released, "dropped"), 1);
+    assert_eq!(attempts_consumed(store.as_ref()).await, 0);
+}
+
+/// Ids of the Claimed rows.
+async fn db_claimed(db: &common::TestSqlite) -> Vec<String> {
+    db.query(
+        "SELECT id FROM inflight_taskactivations WHERE status = 'Claimed'",
+        |row| row.get(0),
+    )
+}
+
+async fn attempts_consumed(store: &dyn ActivationStore) -> i32 {
+    let mut attempts = 0;
+    for i in 0..BATCH {
+        let row = store
+            .get(&format!("stuck-{i}"))
+            .await
+            .expect("get")
+            .expect("row stored");
+        attempts += row.processing_attempts;
+    }
+    attempts
+}

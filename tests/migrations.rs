@@ -189,7 +189,7 @@ async fn concurrent_migrators_all_succeed_once() {
 async fn table_has_the_design_columns_with_their_types() {
     // DESIGN.md, "Store": name, information_schema type, nullable.
     const TIMESTAMPTZ: &str = "timestamp with time zone";
-    let expected: [(&str, &str, bool); 20] = [
+    let expected: [(&str, &str, bool); 22] = [
         ("id", "text", false),
         ("activation", "bytea", false),
         ("topic", "text", false),
@@ -210,6 +210,8 @@ async fn table_has_the_design_columns_with_their_types() {
         ("taskname", "text", false),
         ("on_attempts_exceeded", "integer", false),
         ("bucket", "smallint", false),
+        ("retry_max_attempts", "bigint", true),
+        ("retry_delay_on_retry", "bigint", true),
     ];
     let db = TestDb::new().await;
     let _store = db.store().await;

@@ -15,7 +15,7 @@ use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
     InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome, rewrite_retry_state,
+    StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -198,13 +198,14 @@ macro_rules! columns {
         "id, activation, topic, partition, kafka_offset, added_at, received_at, \
          processing_attempts, expires_at, delay_until, processing_deadline_duration, \
          processing_deadline, claim_expires_at, status, at_most_once, application, namespace, \
-         taskname, on_attempts_exceeded, bucket"
+         taskname, on_attempts_exceeded, bucket, retry_max_attempts, retry_delay_on_retry"
     };
     (t) => {
         "t.id, t.activation, t.topic, t.partition, t.kafka_offset, t.added_at, t.received_at, \
          t.processing_attempts, t.expires_at, t.delay_until, t.processing_deadline_duration, \
          t.processing_deadline, t.claim_expires_at, t.status, t.at_most_once, t.application, \
-         t.namespace, t.taskname, t.on_attempts_exceeded, t.bucket"
+         t.namespace, t.taskname, t.on_attempts_exceeded, t.bucket, t.retry_max_attempts, \
+         t.retry_delay_on_retry"
     };
 }
 
@@ -234,6 +235,11 @@ fn activation_from_row(row: &Row) -> StoreResult<InflightActivation> {
                 value: on_attempts_exceeded.to_string(),
             }
         })?;
+    let retry_edit = super::retry_edit_from_columns(
+        &id,
+        row.try_get(20).map_err(get)?,
+        row.try_get(21).map_err(get)?,
+    )?;
     Ok(InflightActivation {
         activation: row.try_get(1).map_err(get)?,
         topic: row.try_get(2).map_err(get)?,
@@ -254,6 +260,7 @@ fn activation_from_row(row: &Row) -> StoreResult<InflightActivation> {
         taskname: row.try_get(17).map_err(get)?,
         on_attempts_exceeded,
         bucket: row.try_get(19).map_err(get)?,
+        retry_edit,
         id,
     })
 }
@@ -287,7 +294,7 @@ const INSERT: &str = concat!(
     ") SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int4[], $5::int8[], \
      $6::timestamptz[], $7::timestamptz[], $8::int4[], $9::timestamptz[], $10::timestamptz[], \
      $11::int4[], $12::timestamptz[], $13::timestamptz[], $14::text[], $15::bool[], $16::text[], \
-     $17::text[], $18::text[], $19::int4[], $20::int2[]) \
+     $17::text[], $18::text[], $19::int4[], $20::int2[], $21::int8[], $22::int8[]) \
      ON CONFLICT (id) DO NOTHING"
 );
 
@@ -380,26 +387,38 @@ const DEFER_CLAIMS: &str = concat!(
 // from an earlier delivery (the row is past its processing deadline, or was
 // delivered before): `held` keeps the locked row's values from before the
 // update, so the count needs no second query.
-const SET_STATUS: &str = "WITH u AS (SELECT DISTINCT ON (id) id, status \
-       FROM unnest($1::text[], $2::text[]) AS u(id, status)), \
-     held AS MATERIALIZED (SELECT t.id, \
-         (t.status = 'Processing' AND t.processing_deadline < now()) \
-           OR t.processing_attempts > 0 AS late \
-       FROM inflight_taskactivations t JOIN u ON t.id = u.id \
-       WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
-     updated AS (UPDATE inflight_taskactivations t SET status = u.status FROM u, held \
-       WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
-       RETURNING held.late) \
-     SELECT (SELECT count(*) FROM u), \
-            (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
-            (SELECT count(*) FROM updated), \
-            (SELECT count(*) FROM updated WHERE late)";
-
-const LOCK_FOR_RETRY_EDIT: &str = "SELECT id, activation FROM inflight_taskactivations \
-     WHERE id = ANY($1) AND status IN ('Claimed', 'Processing') ORDER BY id FOR UPDATE";
-
-const WRITE_ACTIVATIONS: &str = "UPDATE inflight_taskactivations t SET activation = r.activation \
-     FROM unnest($1::text[], $2::bytea[]) AS r(id, activation) WHERE t.id = r.id";
+macro_rules! set_status {
+    ($reports:literal, $set:literal) => {
+        concat!(
+            "WITH u AS (SELECT DISTINCT ON (id) * FROM ",
+            $reports,
+            "), \
+             held AS MATERIALIZED (SELECT t.id, \
+                 (t.status = 'Processing' AND t.processing_deadline < now()) \
+                   OR t.processing_attempts > 0 AS late \
+               FROM inflight_taskactivations t JOIN u ON t.id = u.id \
+               WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
+             updated AS (UPDATE inflight_taskactivations t SET status = u.status",
+            $set,
+            " FROM u, held \
+               WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
+               RETURNING held.late) \
+             SELECT (SELECT count(*) FROM u), \
+                    (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
+                    (SELECT count(*) FROM updated), \
+                    (SELECT count(*) FROM updated WHERE late)"
+        )
+    };
+}
+const SET_STATUS: &str = set_status!("unnest($1::text[], $2::text[]) AS u(id, status)", "");
+// A batch where some RETRY reports carry edits: the same statement, which
+// also stores each edit's given values with its row, under the same fence.
+const SET_STATUS_WITH_EDITS: &str = set_status!(
+    "unnest($1::text[], $2::text[], $3::int8[], $4::int8[]) \
+       AS u(id, status, max_attempts, delay_on_retry)",
+    ", retry_max_attempts = COALESCE(u.max_attempts, t.retry_max_attempts), \
+     retry_delay_on_retry = COALESCE(u.delay_on_retry, t.retry_delay_on_retry)"
+);
 
 const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations WHERE id = ANY($1)";
 
@@ -519,6 +538,16 @@ impl ActivationStore for PostgresStore {
         Ok(())
     }
 
+    async fn ping(&self) -> StoreResult<()> {
+        const OP: &str = "ping";
+        let client = self.client(&self.pool, OP).await?;
+        client
+            .simple_query("SELECT 1")
+            .await
+            .map(drop)
+            .map_err(|e| query_error(OP, e))
+    }
+
     async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64> {
         const OP: &str = "insert_batch";
         if rows.is_empty() {
@@ -551,6 +580,10 @@ impl ActivationStore for PostgresStore {
             .map(|r| r.on_attempts_exceeded.as_i32())
             .collect();
         let buckets: Vec<i16> = rows.iter().map(|r| r.bucket).collect();
+        let (edit_attempts, edit_delays): (Vec<Option<i64>>, Vec<Option<i64>>) = rows
+            .iter()
+            .map(|r| super::retry_edit_columns(&r.retry_edit))
+            .unzip();
 
         self.execute(
             &self.pool,
@@ -577,6 +610,8 @@ impl ActivationStore for PostgresStore {
                 &tasknames,
                 &exceeded,
                 &buckets,
+                &edit_attempts,
+                &edit_delays,
             ],
         )
         .await
@@ -698,29 +733,24 @@ impl ActivationStore for PostgresStore {
             .iter()
             .map(|u| u.status.as_status().as_str())
             .collect();
-        let edits: Vec<&StatusUpdate> = updates.iter().filter(|u| u.edits_retry_state()).collect();
-
-        let row = if edits.is_empty() {
-            // The common case: one statement, no transaction round trips.
+        // One statement either way; only a batch with edits names them.
+        let rows = if updates.iter().any(StatusUpdate::edits_retry_state) {
+            let (edit_attempts, edit_delays): (Vec<Option<i64>>, Vec<Option<i64>>) = updates
+                .iter()
+                .map(|u| super::retry_edit_columns(&u.retry_edit()))
+                .unzip();
+            self.query(
+                &self.pool,
+                OP,
+                SET_STATUS_WITH_EDITS,
+                &[&ids, &statuses, &edit_attempts, &edit_delays],
+            )
+            .await?
+        } else {
             self.query(&self.pool, OP, SET_STATUS, &[&ids, &statuses])
                 .await?
-                .into_iter()
-                .next()
-        } else {
-            let mut client = self.client(&self.pool, OP).await?;
-            let transaction = client.transaction().await.map_err(|e| query_error(OP, e))?;
-            rewrite_retry_states(&transaction, &edits).await?;
-            let statement = transaction
-                .prepare_cached(SET_STATUS)
-                .await
-                .map_err(|e| query_error(OP, e))?;
-            let row = transaction
-                .query_one(&statement, &[&ids, &statuses])
-                .await
-                .map_err(|e| query_error(OP, e))?;
-            transaction.commit().await.map_err(|e| query_error(OP, e))?;
-            Some(row)
         };
+        let row = rows.into_iter().next();
         let row = row.ok_or(StoreError::Query {
             operation: OP,
             message: "status counts returned no row".to_owned(),
@@ -906,48 +936,6 @@ impl ActivationStore for PostgresStore {
         self.execute(&self.pool, OP, DEFER_CLAIMS, &[&ids, &expiries, &until])
             .await
     }
-}
-
-/// Applies RETRY edits of `max_attempts` / `delay_on_retry` to the stored
-/// bytes of rows still handed out, under row locks, inside `transaction`.
-async fn rewrite_retry_states(
-    transaction: &tokio_postgres::Transaction<'_>,
-    edits: &[&StatusUpdate],
-) -> StoreResult<()> {
-    const OP: &str = "set_status";
-    let edit_ids: Vec<&str> = edits.iter().map(|u| u.id.as_str()).collect();
-    let locked = transaction
-        .query(LOCK_FOR_RETRY_EDIT, &[&edit_ids])
-        .await
-        .map_err(|e| query_error(OP, e))?;
-    let mut rewritten_ids = Vec::with_capacity(locked.len());
-    let mut rewritten = Vec::with_capacity(locked.len());
-    for row in &locked {
-        let id: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
-        let bytes: Vec<u8> = row.try_get(1).map_err(|e| query_error(OP, e))?;
-        let Some(update) = edits.iter().find(|u| u.id == id) else {
-            continue;
-        };
-        match rewrite_retry_state(&bytes, update.max_attempts, update.delay_on_retry) {
-            Ok(new_bytes) => {
-                rewritten_ids.push(id);
-                rewritten.push(new_bytes);
-            }
-            // The status still applies; only the retry-state edit is lost.
-            Err(err) => tracing::warn!(
-                activation_id = %id,
-                error = %err,
-                "cannot rewrite retry state of stored activation"
-            ),
-        }
-    }
-    if !rewritten_ids.is_empty() {
-        transaction
-            .execute(WRITE_ACTIVATIONS, &[&rewritten_ids, &rewritten])
-            .await
-            .map_err(|e| query_error(OP, e))?;
-    }
-    Ok(())
 }
 
 impl PostgresStore {

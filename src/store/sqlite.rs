@@ -43,7 +43,7 @@ use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
     InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome, WorkerStatus, rewrite_retry_state,
+    StatusUpdateOutcome, WorkerStatus,
 };
 
 mod embedded {
@@ -516,7 +516,7 @@ macro_rules! columns {
         "id, activation, topic, partition, kafka_offset, added_at, received_at, \
          processing_attempts, expires_at, delay_until, processing_deadline_duration, \
          processing_deadline, claim_expires_at, status, at_most_once, application, namespace, \
-         taskname, on_attempts_exceeded, bucket"
+         taskname, on_attempts_exceeded, bucket, retry_max_attempts, retry_delay_on_retry"
     };
 }
 
@@ -549,6 +549,11 @@ fn activation_from_row(row: &Row<'_>) -> StoreResult<InflightActivation> {
     let exceeded: i32 = row.get(18).map_err(get_err)?;
     let on_attempts_exceeded = OnAttemptsExceeded::from_i32(exceeded)
         .ok_or_else(|| invalid("on_attempts_exceeded", exceeded.to_string()))?;
+    let retry_edit = super::retry_edit_from_columns(
+        &id,
+        row.get(20).map_err(get_err)?,
+        row.get(21).map_err(get_err)?,
+    )?;
     Ok(InflightActivation {
         activation: row.get(1).map_err(get_err)?,
         topic: row.get(2).map_err(get_err)?,
@@ -569,6 +574,7 @@ fn activation_from_row(row: &Row<'_>) -> StoreResult<InflightActivation> {
         taskname: row.get(17).map_err(get_err)?,
         on_attempts_exceeded,
         bucket: row.get(19).map_err(get_err)?,
+        retry_edit,
         id,
     })
 }
@@ -683,7 +689,7 @@ const INSERT: &str = concat!(
     "INSERT INTO inflight_taskactivations (",
     columns!(),
     ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, \
-     ?19, ?20) ON CONFLICT (id) DO NOTHING"
+     ?19, ?20, ?21, ?22) ON CONFLICT (id) DO NOTHING"
 );
 
 // The single writer makes "skip rows others hold" unnecessary: no other
@@ -754,21 +760,30 @@ const DEFER_CLAIMS: &str = fenced_claims!("status = 'Delay', delay_until = ?2");
 
 // Answers one row when the report applied, saying whether it likely came
 // from an earlier delivery (`?3` now): past the processing deadline, or
-// delivered before. The update changes only `status`, so RETURNING sees the
-// deadline and attempts as they were. Of Claimed and Processing rows only
+// delivered before. The update changes only `status` (and a RETRY's edit
+// columns), so RETURNING sees the deadline and attempts as they were. Of Claimed and Processing rows only
 // Processing ones carry a deadline (handing a task out sets it, deadline
 // expiry clears it), so no status test is needed.
-const SET_STATUS: &str = "UPDATE inflight_taskactivations SET status = ?2 \
-     WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
-     RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
-       OR processing_attempts > 0";
+macro_rules! set_status {
+    ($set:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations SET status = ?2",
+            $set,
+            " WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
+             RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
+               OR processing_attempts > 0"
+        )
+    };
+}
+const SET_STATUS: &str = set_status!("");
+// A RETRY report with edits: the same statement, which also stores the
+// edit's given values (`?4`, `?5`) with the row, under the same fence.
+const SET_STATUS_WITH_EDIT: &str = set_status!(
+    ", retry_max_attempts = coalesce(?4, retry_max_attempts), \
+     retry_delay_on_retry = coalesce(?5, retry_delay_on_retry)"
+);
 
 const EXISTS: &str = "SELECT 1 FROM inflight_taskactivations WHERE id = ?1";
-
-const READ_FOR_RETRY_EDIT: &str = "SELECT activation FROM inflight_taskactivations \
-     WHERE id = ?1 AND status IN ('Claimed', 'Processing')";
-
-const WRITE_ACTIVATION: &str = "UPDATE inflight_taskactivations SET activation = ?2 WHERE id = ?1";
 
 const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations \
      WHERE id IN (SELECT value FROM json_each(?1))";
@@ -857,6 +872,16 @@ impl ActivationStore for SqliteStore {
         result.await.map_err(|_| writer_gone("migrate"))?
     }
 
+    async fn ping(&self) -> StoreResult<()> {
+        const OP: &str = "ping";
+        self.read(OP, |connection| {
+            connection
+                .query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(|e| sql_error(OP, e))
+        })
+        .await
+    }
+
     async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64> {
         const OP: &str = "insert_batch";
         if rows.is_empty() {
@@ -869,6 +894,7 @@ impl ActivationStore for SqliteStore {
                 .map_err(|e| sql_error(OP, e))?;
             let mut inserted = 0;
             for r in &rows {
+                let (edit_attempts, edit_delay) = super::retry_edit_columns(&r.retry_edit);
                 inserted += statement
                     .execute(params![
                         r.id,
@@ -891,6 +917,8 @@ impl ActivationStore for SqliteStore {
                         r.taskname,
                         r.on_attempts_exceeded.as_i32(),
                         r.bucket,
+                        edit_attempts,
+                        edit_delay,
                     ])
                     .map_err(|e| sql_error(OP, e))? as u64;
             }
@@ -1038,20 +1066,38 @@ impl ActivationStore for SqliteStore {
         self.write(OP, true, move |connection| {
             let mut outcome = StatusUpdateOutcome::default();
             for update in &updates {
-                if update.edits_retry_state() {
-                    rewrite_stored_retry_state(connection, update)?;
+                let status = status_name(update.status);
+                let applied: Option<bool> = if update.edits_retry_state() {
+                    let (edit_attempts, edit_delay) =
+                        super::retry_edit_columns(&update.retry_edit());
+                    connection
+                        .prepare_cached(SET_STATUS_WITH_EDIT)
+                        .and_then(|mut statement| {
+                            statement
+                                .query_row(
+                                    params![
+                                        update.id,
+                                        status,
+                                        now_micros(),
+                                        edit_attempts,
+                                        edit_delay
+                                    ],
+                                    |row| row.get(0),
+                                )
+                                .optional()
+                        })
+                } else {
+                    connection
+                        .prepare_cached(SET_STATUS)
+                        .and_then(|mut statement| {
+                            statement
+                                .query_row(params![update.id, status, now_micros()], |row| {
+                                    row.get(0)
+                                })
+                                .optional()
+                        })
                 }
-                let applied: Option<bool> = connection
-                    .prepare_cached(SET_STATUS)
-                    .and_then(|mut statement| {
-                        statement
-                            .query_row(
-                                params![update.id, status_name(update.status), now_micros()],
-                                |row| row.get(0),
-                            )
-                            .optional()
-                    })
-                    .map_err(|e| sql_error(OP, e))?;
+                .map_err(|e| sql_error(OP, e))?;
                 if let Some(late) = applied {
                     outcome.updated += 1;
                     outcome.late += u64::from(late);
@@ -1274,41 +1320,6 @@ fn exists(connection: &Connection, id: &str) -> StoreResult<bool> {
                 .map(|found| found.is_some())
         })
         .map_err(|e| sql_error(OP, e))
-}
-
-/// Applies a RETRY edit of `max_attempts` / `delay_on_retry` to the stored
-/// bytes, if the row is still handed out. Inside the writer's transaction,
-/// so the status update that follows sees the same row.
-fn rewrite_stored_retry_state(connection: &Connection, update: &StatusUpdate) -> StoreResult<()> {
-    const OP: &str = "set_status";
-    let bytes: Option<Vec<u8>> = connection
-        .prepare_cached(READ_FOR_RETRY_EDIT)
-        .and_then(|mut statement| {
-            statement
-                .query_row(params![update.id], |row| row.get(0))
-                .optional()
-        })
-        .map_err(|e| sql_error(OP, e))?;
-    let Some(bytes) = bytes else {
-        return Ok(());
-    };
-    match rewrite_retry_state(&bytes, update.max_attempts, update.delay_on_retry) {
-        Ok(new_bytes) => {
-            execute(
-                connection,
-                OP,
-                WRITE_ACTIVATION,
-                params![update.id, new_bytes],
-            )?;
-        }
-        // The status still applies; only the retry-state edit is lost.
-        Err(err) => tracing::warn!(
-            activation_id = %update.id,
-            error = %err,
-            "cannot rewrite retry state of stored activation"
-        ),
-    }
-    Ok(())
 }
 
 /// Gives free pages beyond [`FREE_PAGES_KEPT`] back to the file system,

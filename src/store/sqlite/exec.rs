@@ -1,0 +1,122 @@
+//! Running one statement on a connection (the writer's or a reader's) and
+//! telling the caller what a SQLite failure means: `Unavailable` (retry),
+//! `Rejected` (the data) or `Query`.
+
+use rusqlite::{Connection, ErrorCode, OptionalExtension, params};
+
+use super::rows::{activation_from_row, json_tokens};
+use super::sql::EXISTS;
+use crate::model::{ClaimToken, InflightActivation};
+use crate::store::{StoreError, StoreResult};
+
+/// Lock contention and I/O trouble (disk full, file gone) may pass:
+/// `Unavailable`. Data SQLite refuses is `Rejected`; any other statement it
+/// rejects is a `Query` error.
+pub(super) fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreError {
+    let unavailable = matches!(
+        err.sqlite_error_code(),
+        Some(
+            ErrorCode::DatabaseBusy
+                | ErrorCode::DatabaseLocked
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::DiskFull
+                | ErrorCode::CannotOpen
+                | ErrorCode::OutOfMemory
+        )
+    );
+    // The rows themselves are at fault: a value too big, a constraint, a
+    // type mismatch, a parameter out of range. Retrying cannot help.
+    let rejected = matches!(
+        err.sqlite_error_code(),
+        Some(
+            ErrorCode::TooBig
+                | ErrorCode::ConstraintViolation
+                | ErrorCode::TypeMismatch
+                | ErrorCode::ParameterOutOfRange
+        )
+    );
+    let message = err.to_string();
+    if unavailable {
+        StoreError::Unavailable { operation, message }
+    } else if rejected {
+        StoreError::Rejected { operation, message }
+    } else {
+        StoreError::Query { operation, message }
+    }
+}
+
+/// Runs a statement returning whole rows (`RETURNING` or `SELECT`).
+pub(super) fn query_rows(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> StoreResult<Vec<InflightActivation>> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let mut rows = statement
+        .query(params)
+        .map_err(|e| sql_error(operation, e))?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        out.push(activation_from_row(row)?);
+    }
+    Ok(out)
+}
+
+/// Runs a statement and returns how many rows it changed.
+pub(super) fn execute(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> StoreResult<u64> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let changed = statement
+        .execute(params)
+        .map_err(|e| sql_error(operation, e))?;
+    Ok(changed as u64)
+}
+
+/// Runs one fenced statement over every claim token (`?1`, see
+/// [`json_tokens`]; `?2` = `extra` if given) and returns the ids of the
+/// rows it changed.
+pub(super) fn fenced(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    claims: &[ClaimToken],
+    extra: Option<i64>,
+) -> StoreResult<Vec<String>> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let tokens = json_tokens(claims);
+    let mut rows = match extra {
+        Some(extra) => statement.query(params![tokens, extra]),
+        None => statement.query(params![tokens]),
+    }
+    .map_err(|e| sql_error(operation, e))?;
+    let mut moved = Vec::new();
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        moved.push(row.get(0).map_err(|e| sql_error(operation, e))?);
+    }
+    Ok(moved)
+}
+
+/// Whether a row with this id exists (for `set_status`'s counts).
+pub(super) fn exists(connection: &Connection, id: &str) -> StoreResult<bool> {
+    const OP: &str = "set_status";
+    connection
+        .prepare_cached(EXISTS)
+        .and_then(|mut statement| {
+            statement
+                .query_row(params![id], |_| Ok(()))
+                .optional()
+                .map(|found| found.is_some())
+        })
+        .map_err(|e| sql_error(OP, e))
+}

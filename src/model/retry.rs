@@ -221,6 +221,39 @@ mod tests {
     }
 
     #[test]
+    fn the_retry_is_byte_for_byte_what_rewriting_the_stored_bytes_gave() {
+        // Before the edit left the store, a RETRY edit re-encoded the stored
+        // activation with the new retry state, and the retry was made from
+        // those bytes. Applying the edit on the way out must give the same.
+        let mut activation = base_activation();
+        activation.headers.insert("k".into(), "v".into());
+        activation.retry_state = Some(RetryState {
+            attempts: 1,
+            max_attempts: 3,
+            delay_on_retry: Some(4),
+            at_most_once: Some(false),
+            ..Default::default()
+        });
+        let stored = activation.encode_to_vec();
+        for edit in [
+            NO_EDIT,
+            RetryEdit {
+                max_attempts: Some(9),
+                delay_on_retry: Some(0),
+            },
+            RetryEdit {
+                max_attempts: None,
+                delay_on_retry: Some(u64::MAX),
+            },
+        ] {
+            let mut rewritten = TaskActivation::decode(stored.as_slice()).unwrap();
+            edit.apply(rewritten.retry_state.get_or_insert_with(Default::default));
+            let old = retry_activation(&rewritten.encode_to_vec(), &NO_EDIT, now()).unwrap();
+            assert_eq!(retry_activation(&stored, &edit, now()).unwrap(), old);
+        }
+    }
+
+    #[test]
     fn an_edit_gives_a_task_without_retry_state_one() {
         let (_, bytes) = retry_activation(
             &base_activation().encode_to_vec(),

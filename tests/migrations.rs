@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::TestDb;
-use taskbroker::store::{ActivationStore, PostgresStore, RetryEdit};
+use taskbroker::store::{ActivationStore, PostgresStore};
 
 const MIGRATORS: usize = 6;
 const TABLE: &str = "inflight_taskactivations";
@@ -269,20 +269,9 @@ async fn rows_stored_before_the_retry_edit_columns_read_back_with_no_edit() {
         .await
         .expect("the V1 schema");
     client
-        .batch_execute(
-            "INSERT INTO inflight_taskactivations (id, activation, topic, partition, \
-             kafka_offset, received_at, processing_deadline_duration, status, namespace, \
-             taskname, bucket) \
-             VALUES ('old', '\\x0a036f6c64', 't', 0, 0, now(), 30, 'Retry', 'ns', 'task', 1)",
-        )
+        .batch_execute(&common::v1_row_sql("'\\x0a036f6c64'", "now()"))
         .await
         .expect("a V1 row");
     let store = db.store().await;
-    let row = store.get("old").await.unwrap().expect("the row is kept");
-    assert_eq!(
-        row.retry_edit,
-        RetryEdit::default(),
-        "NULL columns: no edit"
-    );
-    assert_eq!(row.activation, b"\x0a\x03old");
+    common::assert_v1_row_reads_back_with_no_edit(store.as_ref()).await;
 }

@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use common::{TestSqlite, rows};
 use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, RetryEdit, SqliteStore, SqliteStoreConfig,
-    StoreError,
+    ActivationStatus, ActivationStore, BucketRange, SqliteStore, SqliteStoreConfig, StoreError,
 };
 
 /// Logical size of the database file in bytes.
@@ -163,20 +162,9 @@ async fn rows_stored_before_the_retry_edit_columns_read_back_with_no_edit() {
             ))
             .expect("the V1 schema");
         connection
-            .execute_batch(
-                "INSERT INTO inflight_taskactivations (id, activation, topic, partition, \
-                 kafka_offset, added_at, received_at, processing_deadline_duration, status, \
-                 namespace, taskname, bucket) \
-                 VALUES ('old', x'0a036f6c64', 't', 0, 0, 0, 0, 30, 'Retry', 'ns', 'task', 1)",
-            )
+            .execute_batch(&common::v1_row_sql("x'0a036f6c64'", "0"))
             .expect("a V1 row");
     }
     let store = db.store().await;
-    let row = store.get("old").await.unwrap().expect("the row is kept");
-    assert_eq!(
-        row.retry_edit,
-        RetryEdit::default(),
-        "NULL columns: no edit"
-    );
-    assert_eq!(row.activation, b"\x0a\x03old");
+    common::assert_v1_row_reads_back_with_no_edit(store.as_ref()).await;
 }

@@ -241,7 +241,7 @@ fn add_seconds(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::proto::RetryState;
     use prost_types::Timestamp;
@@ -254,7 +254,8 @@ mod tests {
         }
     }
 
-    fn base_activation() -> TaskActivation {
+    /// A valid wire activation, also the base of `retry.rs`'s tests.
+    pub(in crate::model) fn base_activation() -> TaskActivation {
         TaskActivation {
             id: "0195f6a3c1f47a0e9b3c5d6e7f809112".into(),
             namespace: "ns".into(),
@@ -268,7 +269,8 @@ mod tests {
         }
     }
 
-    fn now() -> DateTime<Utc> {
+    /// A fixed "now", ten seconds after `base_activation` was received.
+    pub(in crate::model) fn now() -> DateTime<Utc> {
         DateTime::from_timestamp(1_700_000_010, 0).unwrap()
     }
 

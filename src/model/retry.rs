@@ -89,26 +89,8 @@ impl InflightActivation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::activation::tests::{base_activation, now};
     use chrono::TimeDelta;
-    use prost_types::Timestamp;
-
-    fn base_activation() -> TaskActivation {
-        TaskActivation {
-            id: "0195f6a3c1f47a0e9b3c5d6e7f809112".into(),
-            namespace: "ns".into(),
-            taskname: "do.it".into(),
-            received_at: Some(Timestamp {
-                seconds: 1_700_000_000,
-                nanos: 5_000,
-            }),
-            processing_deadline_duration: 30,
-            ..Default::default()
-        }
-    }
-
-    fn now() -> DateTime<Utc> {
-        DateTime::from_timestamp(1_700_000_010, 0).unwrap()
-    }
 
     const NO_EDIT: RetryEdit = RetryEdit {
         max_attempts: None,

@@ -2,12 +2,12 @@
 //! telling the caller what a SQLite failure means: `Unavailable` (retry),
 //! `Rejected` (the data) or `Query`.
 
-use rusqlite::{Connection, ErrorCode, OptionalExtension, params};
+use rusqlite::{Connection, ErrorCode, OptionalExtension, ToSql, params};
 
-use super::rows::{activation_from_row, json_tokens};
-use super::sql::EXISTS;
-use crate::model::{ClaimToken, InflightActivation};
-use crate::store::{StoreError, StoreResult};
+use super::rows::{activation_from_row, json_tokens, now_micros};
+use super::sql::{EXISTS, SET_STATUS, SET_STATUS_WITH_EDIT};
+use crate::model::{ClaimToken, InflightActivation, StatusUpdate};
+use crate::store::{StoreError, StoreResult, retry_edit_columns};
 
 /// Lock contention and I/O trouble (disk full, file gone) may pass:
 /// `Unavailable`. Data SQLite refuses is `Rejected`; any other statement it
@@ -105,6 +105,33 @@ pub(super) fn fenced(
         moved.push(row.get(0).map_err(|e| sql_error(operation, e))?);
     }
     Ok(moved)
+}
+
+/// Applies one worker report if its row is handed out (Claimed or
+/// Processing): `Some(late)` when it applied, `None` otherwise. A RETRY
+/// report's edit is stored with the row by the same statement.
+pub(super) fn apply_report(
+    connection: &Connection,
+    update: &StatusUpdate,
+) -> StoreResult<Option<bool>> {
+    const OP: &str = "set_status";
+    let status = update.status.as_status().as_str();
+    let now = now_micros();
+    let (edit_attempts, edit_delay) = retry_edit_columns(&update.retry_edit());
+    let (sql, params): (&str, Vec<&dyn ToSql>) = if update.edits_retry_state() {
+        let params: Vec<&dyn ToSql> = vec![&update.id, &status, &now, &edit_attempts, &edit_delay];
+        (SET_STATUS_WITH_EDIT, params)
+    } else {
+        (SET_STATUS, vec![&update.id, &status, &now])
+    };
+    connection
+        .prepare_cached(sql)
+        .and_then(|mut statement| {
+            statement
+                .query_row(params.as_slice(), |row| row.get(0))
+                .optional()
+        })
+        .map_err(|e| sql_error(OP, e))
 }
 
 /// Whether a row with this id exists (for `set_status`'s counts).

@@ -50,10 +50,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 use tokio::sync::oneshot;
 
-use self::exec::{execute, exists, fenced, query_rows, sql_error};
+use self::exec::{apply_report, execute, exists, fenced, query_rows, sql_error};
 use self::lock::lock_for_this_process;
 use self::reader::ReaderPool;
 use self::rows::{duration_micros, json_strings, limit, micros_of, now_micros};
@@ -435,39 +435,7 @@ impl ActivationStore for SqliteStore {
         self.write(OP, true, move |connection| {
             let mut outcome = StatusUpdateOutcome::default();
             for update in &updates {
-                let status = update.status.as_status().as_str();
-                let applied: Option<bool> = if update.edits_retry_state() {
-                    let (edit_attempts, edit_delay) =
-                        super::retry_edit_columns(&update.retry_edit());
-                    connection
-                        .prepare_cached(SET_STATUS_WITH_EDIT)
-                        .and_then(|mut statement| {
-                            statement
-                                .query_row(
-                                    params![
-                                        update.id,
-                                        status,
-                                        now_micros(),
-                                        edit_attempts,
-                                        edit_delay
-                                    ],
-                                    |row| row.get(0),
-                                )
-                                .optional()
-                        })
-                } else {
-                    connection
-                        .prepare_cached(SET_STATUS)
-                        .and_then(|mut statement| {
-                            statement
-                                .query_row(params![update.id, status, now_micros()], |row| {
-                                    row.get(0)
-                                })
-                                .optional()
-                        })
-                }
-                .map_err(|e| sql_error(OP, e))?;
-                if let Some(late) = applied {
+                if let Some(late) = apply_report(connection, update)? {
                     outcome.updated += 1;
                     outcome.late += u64::from(late);
                 } else if exists(connection, &update.id)? {

@@ -218,10 +218,11 @@ async fn set_task_status_completes_and_is_idempotent_for_unknown_ids(backend: Ba
 }
 
 #[actix_rt::test]
-async fn retry_report_rewrites_retry_state() {
+async fn retry_report_edits_the_retried_retry_state() {
     let api = Api::start(DeliveryMode::Pull, vec![]).await;
     let mut client = api.client().await;
-    insert(api.store.as_ref(), &[row("again")]).await;
+    let original = row("again");
+    insert(api.store.as_ref(), std::slice::from_ref(&original)).await;
     client.get_task(GetTaskRequest::default()).await.unwrap();
     let mut retry = set_status("again", TaskActivationStatus::Retry);
     retry.max_attempts = Some(7);
@@ -229,7 +230,13 @@ async fn retry_report_rewrites_retry_state() {
     client.set_task_status(retry).await.unwrap();
     let stored = api.store.get("again").await.unwrap().unwrap();
     assert_eq!(stored.status, ActivationStatus::Retry);
-    let state = taskbroker::proto::TaskActivation::decode(stored.activation.as_slice())
+    assert_eq!(
+        stored.activation,
+        row("again").activation,
+        "stored as received"
+    );
+    let (_, retried) = stored.retry_activation(chrono::Utc::now()).unwrap();
+    let state = taskbroker::proto::TaskActivation::decode(retried.as_slice())
         .unwrap()
         .retry_state
         .unwrap();

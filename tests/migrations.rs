@@ -1,5 +1,6 @@
 //! PostgreSQL migrations: safe when several replicas start at once, and the
-//! schema they build is the operator-facing contract of DESIGN.md ("Store").
+//! schema they build is the operator-facing contract of DESIGN.md ("Store"),
+//! reached from an earlier release's table without losing its rows.
 
 mod common;
 
@@ -189,7 +190,7 @@ async fn concurrent_migrators_all_succeed_once() {
 async fn table_has_the_design_columns_with_their_types() {
     // DESIGN.md, "Store": name, information_schema type, nullable.
     const TIMESTAMPTZ: &str = "timestamp with time zone";
-    let expected: [(&str, &str, bool); 20] = [
+    let expected: [(&str, &str, bool); 22] = [
         ("id", "text", false),
         ("activation", "bytea", false),
         ("topic", "text", false),
@@ -210,6 +211,8 @@ async fn table_has_the_design_columns_with_their_types() {
         ("taskname", "text", false),
         ("on_attempts_exceeded", "integer", false),
         ("bucket", "smallint", false),
+        ("retry_max_attempts", "bigint", true),
+        ("retry_delay_on_retry", "bigint", true),
     ];
     let db = TestDb::new().await;
     let _store = db.store().await;
@@ -252,4 +255,23 @@ async fn table_has_the_design_columns_with_their_types() {
         .map(|row| row.get(0))
         .collect();
     assert_eq!(primary_key, ["id"]);
+}
+
+#[tokio::test]
+async fn rows_stored_before_the_retry_edit_columns_read_back_with_no_edit() {
+    // A table as the first release left it, holding a row, then migrated.
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(include_str!(
+            "../migrations/postgres/V1__create_inflight_taskactivations.sql"
+        ))
+        .await
+        .expect("the V1 schema");
+    client
+        .batch_execute(&common::v1_row_sql("'\\x0a036f6c64'", "now()"))
+        .await
+        .expect("a V1 row");
+    let store = db.store().await;
+    common::assert_v1_row_reads_back_with_no_edit(store.as_ref()).await;
 }

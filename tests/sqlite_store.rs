@@ -1,6 +1,7 @@
 //! What only the SQLite backend has to show, beyond the shared conformance
 //! suite: the file gives space back, survives reopening, reports a bad path
-//! clearly, and one failing operation in a group commit fails alone.
+//! clearly, one failing operation in a group commit fails alone, and a file
+//! from an earlier release migrates with its rows.
 
 mod common;
 
@@ -147,4 +148,23 @@ async fn a_failing_operation_rolls_back_alone_within_a_group_commit() {
         store.get("group-7-0").await.unwrap().is_none(),
         "the failed batch stored none of its rows"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_stored_before_the_retry_edit_columns_read_back_with_no_edit() {
+    // A file as the first release left it, holding a row, then migrated.
+    let db = TestSqlite::new();
+    {
+        let connection = rusqlite::Connection::open(&db.path).expect("create the file");
+        connection
+            .execute_batch(include_str!(
+                "../migrations/sqlite/V1__create_inflight_taskactivations.sql"
+            ))
+            .expect("the V1 schema");
+        connection
+            .execute_batch(&common::v1_row_sql("x'0a036f6c64'", "0"))
+            .expect("a V1 row");
+    }
+    let store = db.store().await;
+    common::assert_v1_row_reads_back_with_no_edit(store.as_ref()).await;
 }

@@ -14,8 +14,8 @@ use prost::Message;
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{
     ActivationStatus, ActivationStore, BucketRange, ClaimToken, ClaimedActivation,
-    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusUpdate,
-    StatusUpdateOutcome, StoreError, WorkerStatus,
+    InflightActivation, OnAttemptsExceeded, PostgresStore, PostgresStoreConfig, PublishKind,
+    PullFilter, RetryEdit, StatusUpdate, StatusUpdateOutcome, StoreError, WorkerStatus,
 };
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -74,8 +74,10 @@ conformance!(
     status_updates_apply_only_to_claimed_or_processing,
     repeated_status_updates_are_idempotent,
     reports_on_overdue_or_redelivered_rows_count_as_late,
-    retry_update_rewrites_retry_state,
+    retry_update_stores_the_edit_and_leaves_the_bytes,
     retry_edit_ignored_for_rows_not_handed_out,
+    retry_edits_are_kept_per_row_and_only_with_retry,
+    published_retry_carries_the_edit,
     delete_batch_removes_rows,
     expired_claims_return_to_pending_without_an_attempt,
     deadline_overrun_returns_to_pending_with_an_attempt,
@@ -95,6 +97,7 @@ conformance!(
     fail_claims_is_fenced,
     deferred_claims_wait_in_delay_without_an_attempt,
     defer_claims_is_fenced,
+    ping_answers,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -171,6 +174,10 @@ async fn insert_keeps_every_column(store: Store) {
     original.at_most_once = true;
     original.on_attempts_exceeded = OnAttemptsExceeded::Deadletter;
     original.activation = activation.encode_to_vec();
+    original.retry_edit = RetryEdit {
+        max_attempts: Some(u32::MAX),
+        delay_on_retry: Some(u64::MAX),
+    };
     insert(store.as_ref(), std::slice::from_ref(&original)).await;
     assert_eq!(fetch(&store, "full").await, original);
     assert_eq!(original.status, ActivationStatus::Delay);
@@ -687,8 +694,9 @@ async fn repeated_status_updates_are_idempotent(store: Store) {
     assert_eq!(third.missing, 1);
 }
 
-async fn retry_update_rewrites_retry_state(store: Store) {
+async fn retry_update_stores_the_edit_and_leaves_the_bytes(store: Store) {
     let ids = processing(&store, "edit", 2).await;
+    let before = fetch(&store, &ids[0]).await;
     let mut edit = StatusUpdate::new(ids[0].clone(), WorkerStatus::Retry);
     edit.max_attempts = Some(9);
     edit.delay_on_retry = Some(30);
@@ -699,12 +707,20 @@ async fn retry_update_rewrites_retry_state(store: Store) {
     assert_eq!(outcome.updated, 2);
     let edited = fetch(&store, &ids[0]).await;
     assert_eq!(edited.status, ActivationStatus::Retry);
-    let state = TaskActivation::decode(edited.activation.as_slice())
-        .unwrap()
-        .retry_state
-        .unwrap();
-    assert_eq!((state.max_attempts, state.delay_on_retry), (9, Some(30)));
+    assert_eq!(
+        edited.activation, before.activation,
+        "the stored bytes stay exactly as received"
+    );
+    assert_eq!(
+        edited.retry_edit,
+        RetryEdit {
+            max_attempts: Some(9),
+            delay_on_retry: Some(30),
+        }
+    );
     let plain = fetch(&store, &ids[1]).await;
+    assert_eq!(plain.status, ActivationStatus::Retry);
+    assert_eq!(plain.retry_edit, RetryEdit::default());
     let state = TaskActivation::decode(plain.activation.as_slice())
         .unwrap()
         .retry_state
@@ -720,6 +736,83 @@ async fn retry_edit_ignored_for_rows_not_handed_out(store: Store) {
     let outcome = store.set_status(&[edit]).await.unwrap();
     assert_eq!(outcome.ignored, 1);
     assert_eq!(fetch(&store, "idle").await, original);
+}
+
+async fn retry_edits_are_kept_per_row_and_only_with_retry(store: Store) {
+    let ids = processing(&store, "edits", 4).await;
+    let report = |i: usize, status, max_attempts, delay_on_retry| {
+        let mut update = StatusUpdate::new(ids[i].clone(), status);
+        update.max_attempts = max_attempts;
+        update.delay_on_retry = delay_on_retry;
+        update
+    };
+    let outcome = store
+        .set_status(&[
+            report(0, WorkerStatus::Retry, Some(4), None),
+            report(1, WorkerStatus::Retry, None, Some(u64::MAX)),
+            // Other statuses ignore the fields (PROTOCOL.md).
+            report(2, WorkerStatus::Failure, Some(8), Some(8)),
+            report(3, WorkerStatus::Complete, Some(8), None),
+            // A second report for a row: the first one given applies.
+            report(0, WorkerStatus::Retry, Some(99), Some(99)),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(outcome.updated, 4);
+    let edit_of = |id: &str| {
+        let store = Arc::clone(&store);
+        let id = id.to_owned();
+        async move { fetch(&store, &id).await.retry_edit }
+    };
+    assert_eq!(
+        edit_of(&ids[0]).await,
+        RetryEdit {
+            max_attempts: Some(4),
+            delay_on_retry: None,
+        }
+    );
+    assert_eq!(
+        edit_of(&ids[1]).await,
+        RetryEdit {
+            max_attempts: None,
+            delay_on_retry: Some(u64::MAX),
+        },
+        "every u64 delay reads back exactly"
+    );
+    assert_eq!(edit_of(&ids[2]).await, RetryEdit::default());
+    assert_eq!(edit_of(&ids[3]).await, RetryEdit::default());
+    assert_eq!(status_of(&store, &ids[2]).await, ActivationStatus::Failure);
+
+    // A late report for a row no longer handed out edits nothing.
+    let late = store
+        .set_status(&[report(0, WorkerStatus::Retry, Some(1), Some(1))])
+        .await
+        .unwrap();
+    assert_eq!(late.ignored, 1);
+    assert_eq!(edit_of(&ids[0]).await.max_attempts, Some(4));
+}
+
+async fn published_retry_carries_the_edit(store: Store) {
+    let published = processing(&store, "published", 1).await;
+    let stored = fetch(&store, &published[0]).await.activation;
+    let mut report = StatusUpdate::new(published[0].clone(), WorkerStatus::Retry);
+    report.max_attempts = Some(9);
+    report.delay_on_retry = Some(30);
+    store.set_status(&[report]).await.unwrap();
+    let taken = store
+        .take_for_publish(PublishKind::Retry, 10, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(ids(&taken), published);
+    assert_eq!(taken[0].activation, stored, "taken as stored");
+    let (_, bytes) = taken[0].retry_activation(Utc::now()).unwrap();
+    let retried = TaskActivation::decode(bytes.as_slice()).unwrap();
+    let state = retried.retry_state.unwrap();
+    assert_eq!(
+        (state.attempts, state.max_attempts, state.delay_on_retry),
+        (1, 9, Some(30))
+    );
+    assert_eq!(retried.delay, Some(30));
 }
 
 async fn delete_batch_removes_rows(store: Store) {
@@ -1188,4 +1281,43 @@ async fn defer_claims_is_fenced(store: Store) {
         "a Processing row is not deferred"
     );
     assert_eq!(status_of(&store, "d").await, ActivationStatus::Processing);
+}
+
+// ---------------------------------------------------------------- ping
+
+async fn ping_answers(store: Store) {
+    store.ping().await.expect("a running database answers");
+    // Cheap and repeatable: no state, nothing left behind.
+    store.ping().await.expect("again");
+    assert_eq!(store.count_by_status().await.unwrap().total(), 0);
+}
+
+#[tokio::test]
+async fn ping_of_an_unreachable_postgres_is_unavailable() {
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut config =
+        PostgresStoreConfig::new(format!("postgres://postgres@127.0.0.1:{port}/postgres"));
+    config.connect_timeout = Duration::from_millis(500);
+    let store = PostgresStore::connect(&config).expect("connecting is lazy");
+    let started = std::time::Instant::now();
+    let err = store.ping().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Unavailable {
+                operation: "ping",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "bounded by the connect timeout"
+    );
 }

@@ -23,7 +23,7 @@ use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
     ActivationStatus, ActivationStore, BucketRange, InflightActivation, OnAttemptsExceeded,
-    PostgresStore, PullFilter,
+    PostgresStore, PullFilter, StatusUpdate, WorkerStatus,
 };
 
 const RETRY_TOPIC: &str = "upkeep-retries";
@@ -563,6 +563,49 @@ async fn retries_are_published_as_new_activations() {
         assert_eq!(state.max_attempts, original_state.max_attempts);
     }
     assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
+}
+
+on_both_backends!(a_workers_retry_edit_reaches_the_retry_topic);
+
+/// A worker's RETRY report with edits: the stored bytes stay as received,
+/// and the retry upkeep publishes carries the edited retry state.
+async fn a_workers_retry_edit_reaches_the_retry_topic(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let (original, row) = retry_row(0);
+    let mut pending = row;
+    pending.status = ActivationStatus::Pending;
+    harness.insert(std::slice::from_ref(&pending)).await;
+    assert_eq!(harness.pull().await.id, original.id);
+    let mut report = StatusUpdate::new(original.id.clone(), WorkerStatus::Retry);
+    report.max_attempts = Some(9);
+    report.delay_on_retry = Some(20);
+    let outcome = harness.store.set_status(&[report]).await.expect("report");
+    assert_eq!(outcome.updated, 1);
+    let stored = harness.get(&original.id).await.expect("the row");
+    assert_eq!(stored.status, ActivationStatus::Retry);
+    assert_eq!(
+        stored.activation, pending.activation,
+        "stored bytes untouched"
+    );
+
+    let _upkeep = harness.start_upkeep(harness.config());
+    wait_until("the retry is published", WAIT, || async {
+        harness.published("retry", "ok") == 1
+    })
+    .await;
+    let records = harness.kafka.read_all(RETRY_TOPIC, 1);
+    assert_eq!(records.len(), 1);
+    let retried =
+        TaskActivation::decode(payload(&records[0]).as_slice()).expect("a TaskActivation");
+    let state = retried.retry_state.expect("retry state");
+    assert_eq!(
+        (state.attempts, state.max_attempts, state.delay_on_retry),
+        (2, 9, Some(20)),
+        "the edit replaced max_attempts and delay_on_retry"
+    );
+    assert_eq!(retried.delay, Some(20), "the edited delay is the retry's");
+    assert_eq!(retried.taskname, original.taskname);
+    assert_eq!(retried.headers, original.headers);
 }
 
 #[actix_rt::test]

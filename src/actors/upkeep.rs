@@ -46,7 +46,6 @@ use super::store::{
 };
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
-use crate::model::retry_activation;
 use crate::model::{DeadlineOutcome, PublishKind};
 use crate::store::StoreResult;
 use crate::supervisor::Health;
@@ -420,7 +419,7 @@ impl Cycle {
                 let (key, payload) = match kind {
                     // Dead letters keep the original activation, id and bytes.
                     PublishKind::DeadLetter => (row.id.clone(), row.activation),
-                    PublishKind::Retry => match retry_activation(&row.activation, now) {
+                    PublishKind::Retry => match row.retry_activation(now) {
                         Ok(retry) => retry,
                         Err(err) => {
                             // Cannot happen for rows that passed ingest;

@@ -1,12 +1,15 @@
-//! Turning a wire `TaskActivation` into a store row, and the few edits the
-//! broker makes to stored activation bytes. Everything here handles data
-//! from outside: every failure is a typed [`ActivationError`], never a panic.
+//! Turning a wire `TaskActivation` into a store row: the checks that keep
+//! hostile records out and the columns derived from the bytes. Everything
+//! here handles data from outside: every failure is a typed
+//! [`ActivationError`], never a panic. (What a retry makes of a stored
+//! activation is in `retry.rs`.)
 
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use prost::Message;
 
+use super::retry::RetryEdit;
 use super::row::{ActivationStatus, InflightActivation, OnAttemptsExceeded, bucket_for_id};
 use crate::proto::TaskActivation;
 
@@ -218,6 +221,7 @@ pub fn inflight_from_record(
         namespace: activation.namespace,
         taskname: activation.taskname,
         on_attempts_exceeded,
+        retry_edit: RetryEdit::default(),
         id: activation.id,
     })
 }
@@ -236,60 +240,8 @@ fn add_seconds(
         .ok_or(ActivationError::OutOfRange { field, value: secs })
 }
 
-/// Applies a worker's RETRY edits to stored activation bytes: the given
-/// `max_attempts` / `delay_on_retry` replace those of `retry_state`.
-pub fn rewrite_retry_state(
-    bytes: &[u8],
-    max_attempts: Option<u32>,
-    delay_on_retry: Option<u64>,
-) -> Result<Vec<u8>, ActivationError> {
-    let mut activation = TaskActivation::decode(bytes)
-        .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
-    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
-    if let Some(max_attempts) = max_attempts {
-        retry_state.max_attempts = max_attempts;
-    }
-    if let Some(delay) = delay_on_retry {
-        retry_state.delay_on_retry = Some(delay);
-    }
-    Ok(activation.encode_to_vec())
-}
-
-/// Namespace of the UUIDv5 ids [`retry_activation`] derives. Fixed forever:
-/// changing it would give a replayed retry a different id than the one
-/// already published.
-pub const RETRY_ID_NAMESPACE: uuid::Uuid = uuid::uuid!("5609e723-3c48-41d9-af1c-cda0c14cf711");
-
-/// The activation upkeep produces to the retry topic for a task a worker
-/// asked to retry (PROTOCOL.md, "Kafka payloads"): a new id, `received_at`
-/// now, one more attempt, `delay` taken from `delay_on_retry` (cleared when
-/// that is unset); everything else kept. Answers the new id and the bytes.
-///
-/// The new id is UUIDv5 of `"<original id>/<attempt>"` (the attempt number
-/// after the increment), not a random one: when a broker dies after Kafka
-/// acknowledged the retry but before the row was marked published, the row
-/// is published again with the same id, and ingest's `ON CONFLICT (id)`
-/// stores it once.
-pub fn retry_activation(
-    stored: &[u8],
-    now: DateTime<Utc>,
-) -> Result<(String, Vec<u8>), ActivationError> {
-    let mut activation = TaskActivation::decode(stored)
-        .map_err(|err| ActivationError::Undecodable(err.to_string()))?;
-    let retry_state = activation.retry_state.get_or_insert_with(Default::default);
-    retry_state.attempts = retry_state.attempts.saturating_add(1);
-    activation.delay = retry_state.delay_on_retry.filter(|delay| *delay > 0);
-    let lineage = format!("{}/{}", activation.id, retry_state.attempts);
-    activation.id = uuid::Uuid::new_v5(&RETRY_ID_NAMESPACE, lineage.as_bytes()).to_string();
-    activation.received_at = Some(prost_types::Timestamp {
-        seconds: now.timestamp(),
-        nanos: i32::try_from(now.timestamp_subsec_nanos()).unwrap_or(0),
-    });
-    Ok((activation.id.clone(), activation.encode_to_vec()))
-}
-
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::proto::RetryState;
     use prost_types::Timestamp;
@@ -302,7 +254,8 @@ mod tests {
         }
     }
 
-    fn base_activation() -> TaskActivation {
+    /// A valid wire activation, also the base of `retry.rs`'s tests.
+    pub(in crate::model) fn base_activation() -> TaskActivation {
         TaskActivation {
             id: "0195f6a3c1f47a0e9b3c5d6e7f809112".into(),
             namespace: "ns".into(),
@@ -316,7 +269,8 @@ mod tests {
         }
     }
 
-    fn now() -> DateTime<Utc> {
+    /// A fixed "now", ten seconds after `base_activation` was received.
+    pub(in crate::model) fn now() -> DateTime<Utc> {
         DateTime::from_timestamp(1_700_000_010, 0).unwrap()
     }
 
@@ -553,82 +507,5 @@ mod tests {
         let first = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
         let second = inflight_from_record(&bytes, position(), now(), MAX_DELAY).unwrap();
         assert_eq!(first.bucket, second.bucket);
-    }
-
-    #[test]
-    fn retry_activation_is_a_fresh_next_attempt() {
-        let mut activation = base_activation();
-        activation.delay = Some(99);
-        activation.headers.insert("k".into(), "v".into());
-        activation.retry_state = Some(RetryState {
-            attempts: 1,
-            max_attempts: 5,
-            delay_on_retry: Some(30),
-            ..Default::default()
-        });
-        let (id, bytes) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
-        let retried = TaskActivation::decode(bytes.as_slice()).unwrap();
-        assert_eq!(retried.id, id);
-        assert_ne!(retried.id, activation.id);
-        assert_eq!(retried.received_at.unwrap().seconds, now().timestamp());
-        assert_eq!(retried.retry_state.unwrap().attempts, 2);
-        assert_eq!(retried.delay, Some(30));
-        assert_eq!(retried.headers, activation.headers);
-        assert_eq!(retried.taskname, activation.taskname);
-
-        activation.retry_state.as_mut().unwrap().delay_on_retry = None;
-        let (_, bytes) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
-        assert_eq!(
-            TaskActivation::decode(bytes.as_slice()).unwrap().delay,
-            None
-        );
-        assert!(retry_activation(&[0xff, 0xff], now()).is_err());
-    }
-
-    #[test]
-    fn retry_ids_follow_from_the_original_id_and_attempt() {
-        let mut activation = base_activation();
-        activation.retry_state = Some(RetryState {
-            attempts: 2,
-            ..Default::default()
-        });
-        let bytes = activation.encode_to_vec();
-        let later = now() + TimeDelta::seconds(5);
-        let (first, _) = retry_activation(&bytes, now()).unwrap();
-        let (replayed, _) = retry_activation(&bytes, later).unwrap();
-        assert_eq!(first, replayed, "a republished retry keeps its id");
-        let expected = uuid::Uuid::new_v5(
-            &RETRY_ID_NAMESPACE,
-            format!("{}/3", activation.id).as_bytes(),
-        );
-        assert_eq!(first, expected.to_string());
-
-        activation.retry_state.as_mut().unwrap().attempts = 3;
-        let (next_attempt, _) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
-        assert_ne!(next_attempt, first, "each attempt has its own id");
-        activation.id = "another".into();
-        activation.retry_state.as_mut().unwrap().attempts = 2;
-        let (other_task, _) = retry_activation(&activation.encode_to_vec(), now()).unwrap();
-        assert_ne!(other_task, first, "each task has its own ids");
-    }
-
-    #[test]
-    fn retry_state_rewrite_keeps_other_fields() {
-        let mut activation = base_activation();
-        activation.retry_state = Some(RetryState {
-            attempts: 2,
-            max_attempts: 3,
-            ..Default::default()
-        });
-        let rewritten =
-            rewrite_retry_state(&activation.encode_to_vec(), Some(9), Some(15)).unwrap();
-        let decoded = TaskActivation::decode(rewritten.as_slice()).unwrap();
-        let state = decoded.retry_state.unwrap();
-        assert_eq!(
-            (state.attempts, state.max_attempts, state.delay_on_retry),
-            (2, 9, Some(15))
-        );
-        assert_eq!(decoded.id, activation.id);
-        assert_eq!(decoded.received_at, activation.received_at);
     }
 }

@@ -9,17 +9,19 @@
 pub mod activation;
 mod claim;
 mod report;
+pub mod retry;
 mod row;
 
 pub use activation::{
     ActivationError, KafkaPosition, MAX_ID_BYTES, MAX_NAME_BYTES, TextProblem, check_text,
-    inflight_from_record, retry_activation, rewrite_retry_state, timestamp_in_range,
+    inflight_from_record, timestamp_in_range,
 };
 pub use claim::{ClaimToken, ClaimedActivation};
 pub use report::{
     DeadlineOutcome, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
     WorkerStatus,
 };
+pub use retry::{RetryEdit, retry_activation};
 pub use row::{
     ActivationStatus, BUCKET_COUNT, BucketRange, InflightActivation, OnAttemptsExceeded,
     bucket_for_id,

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use super::retry::RetryEdit;
 use super::row::ActivationStatus;
 
 /// Pull-mode filter from GetTask / FetchNextTask.
@@ -36,9 +37,11 @@ impl WorkerStatus {
 pub struct StatusUpdate {
     pub id: String,
     pub status: WorkerStatus,
-    /// With RETRY: replaces `retry_state.max_attempts` in the stored activation.
+    /// With RETRY: replaces `retry_state.max_attempts` in the retry upkeep
+    /// publishes (the store keeps it beside the row).
     pub max_attempts: Option<u32>,
-    /// With RETRY: replaces `retry_state.delay_on_retry` in the stored activation.
+    /// With RETRY: replaces `retry_state.delay_on_retry` in the retry upkeep
+    /// publishes (the store keeps it beside the row).
     pub delay_on_retry: Option<u64>,
 }
 
@@ -52,10 +55,22 @@ impl StatusUpdate {
         }
     }
 
-    /// Whether applying this update rewrites the stored activation bytes.
+    /// Whether applying this update stores a retry edit with the row.
     pub fn edits_retry_state(&self) -> bool {
-        self.status == WorkerStatus::Retry
-            && (self.max_attempts.is_some() || self.delay_on_retry.is_some())
+        !self.retry_edit().is_empty()
+    }
+
+    /// The edit this report asks the retry to carry: empty unless the
+    /// status is RETRY (PROTOCOL.md: other statuses ignore the fields).
+    pub fn retry_edit(&self) -> RetryEdit {
+        if self.status == WorkerStatus::Retry {
+            RetryEdit {
+                max_attempts: self.max_attempts,
+                delay_on_retry: self.delay_on_retry,
+            }
+        } else {
+            RetryEdit::default()
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::str::FromStr;
 use chrono::{DateTime, Utc};
 
 use super::claim::ClaimToken;
+use super::retry::RetryEdit;
 
 /// Where an activation is in its lifecycle (DESIGN.md, "Activation lifecycle").
 /// Stored as its name in the `status` column.
@@ -95,8 +96,7 @@ impl OnAttemptsExceeded {
 #[derive(Debug, Clone, PartialEq)]
 pub struct InflightActivation {
     pub id: String,
-    /// The serialized `TaskActivation`, exactly as received (or as rewritten
-    /// by a RETRY status update).
+    /// The serialized `TaskActivation`, exactly as received: never rewritten.
     pub activation: Vec<u8>,
     pub topic: String,
     pub partition: i32,
@@ -116,6 +116,10 @@ pub struct InflightActivation {
     pub taskname: String,
     pub on_attempts_exceeded: OnAttemptsExceeded,
     pub bucket: i16,
+    /// The worker's edit to the retry state, from a RETRY report
+    /// (`retry_max_attempts`, `retry_delay_on_retry`); applied to the retry
+    /// upkeep publishes, not to `activation`.
+    pub retry_edit: RetryEdit,
 }
 
 impl InflightActivation {

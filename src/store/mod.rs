@@ -8,6 +8,10 @@
 //! row. Every statement is bounded: batch operations take explicit id lists
 //! (empty lists are no-ops that never reach the database) and upkeep
 //! operations take a `limit`.
+//!
+//! The store persists and fences; it does not interpret or rewrite the
+//! stored activation bytes. What a worker's RETRY edits is kept in columns of
+//! its own and applied by the code that publishes the retry (`model::retry`).
 
 mod postgres;
 mod sqlite;
@@ -20,8 +24,8 @@ pub use sqlite::{SqliteStore, SqliteStoreConfig};
 // interface's vocabulary.
 pub use crate::model::{
     ActivationStatus, BUCKET_COUNT, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome, WorkerStatus, bucket_for_id,
+    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, RetryEdit, StatusCounts,
+    StatusUpdate, StatusUpdateOutcome, WorkerStatus, bucket_for_id,
 };
 
 use std::time::Duration;
@@ -104,6 +108,38 @@ pub(crate) fn add_status_count(
     Ok(())
 }
 
+/// A retry edit as its two columns (`retry_max_attempts`,
+/// `retry_delay_on_retry`), NULL where it names nothing. `delay_on_retry`
+/// is stored as the bit pattern of the `u64`, so every value reads back
+/// exactly (see the V2 migrations).
+pub(crate) fn retry_edit_columns(edit: &RetryEdit) -> (Option<i64>, Option<i64>) {
+    (
+        edit.max_attempts.map(i64::from),
+        edit.delay_on_retry.map(|delay| delay as i64),
+    )
+}
+
+/// The retry edit of row `id` from its two columns.
+pub(crate) fn retry_edit_from_columns(
+    id: &str,
+    max_attempts: Option<i64>,
+    delay_on_retry: Option<i64>,
+) -> StoreResult<RetryEdit> {
+    let max_attempts = max_attempts
+        .map(|value| {
+            u32::try_from(value).map_err(|_| StoreError::InvalidRow {
+                id: id.to_owned(),
+                column: "retry_max_attempts",
+                value: value.to_string(),
+            })
+        })
+        .transpose()?;
+    Ok(RetryEdit {
+        max_attempts,
+        delay_on_retry: delay_on_retry.map(|delay| delay as u64),
+    })
+}
+
 /// The rows a claim statement returned, oldest `added_at` first, each with
 /// the fence it wrote; both backends answer claims this way.
 pub(crate) fn claimed_rows(
@@ -134,6 +170,11 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// Applies pending schema migrations; safe when replicas start together.
     async fn migrate(&self) -> StoreResult<()>;
+
+    /// Whether the database answers: one trivial statement (`SELECT 1`) on
+    /// a pooled or reader connection, no table touched. `Unavailable` when
+    /// it does not; for health checks.
+    async fn ping(&self) -> StoreResult<()>;
 
     /// Inserts activations, ignoring ids already stored. Returns how many were new.
     async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64>;
@@ -191,9 +232,10 @@ pub trait ActivationStore: Send + Sync + 'static {
     ) -> StoreResult<u64>;
 
     /// Worker results. Only rows in Claimed or Processing change; others are
-    /// counted as ignored (wrong status) or missing (no such id). RETRY
-    /// updates may rewrite `max_attempts` / `delay_on_retry` in the stored
-    /// activation's retry state.
+    /// counted as ignored (wrong status) or missing (no such id). A RETRY
+    /// update's `max_attempts` / `delay_on_retry` are stored with the row
+    /// (its `retry_edit`), fenced the same way; the stored activation bytes
+    /// are never rewritten.
     async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome>;
 
     /// Deletes rows by id regardless of status. Returns how many were deleted.

@@ -401,6 +401,29 @@ pub fn rows(prefix: &str, n: usize) -> Vec<InflightActivation> {
         .collect()
 }
 
+/// SQL inserting a Retry row `old` as the first schema (V1) knew it, on
+/// either backend: `activation` and `at` are that backend's literals for the
+/// bytes `0a 03 'old'` and for a timestamp.
+pub fn v1_row_sql(activation: &str, at: &str) -> String {
+    format!(
+        "INSERT INTO inflight_taskactivations (id, activation, topic, partition, kafka_offset, \
+         added_at, received_at, processing_deadline_duration, status, namespace, taskname, \
+         bucket) VALUES ('old', {activation}, 't', 0, 0, {at}, {at}, 30, 'Retry', 'ns', 'task', 1)"
+    )
+}
+
+/// The row of [`v1_row_sql`], read back after the migrations: its bytes as
+/// stored and no retry edit (the columns V2 added are NULL).
+pub async fn assert_v1_row_reads_back_with_no_edit(store: &dyn ActivationStore) {
+    let row = store.get("old").await.unwrap().expect("the row is kept");
+    assert_eq!(row.activation, b"\x0a\x03old");
+    assert_eq!(
+        row.retry_edit,
+        taskbroker::store::RetryEdit::default(),
+        "NULL columns: no edit"
+    );
+}
+
 pub async fn insert(store: &dyn ActivationStore, rows: &[InflightActivation]) {
     store.insert_batch(rows).await.expect("insert");
 }

@@ -1,0 +1,575 @@
+//! PostgreSQL backend: deadpool-postgres pool, prepared (cached) statements,
+//! one statement per batch. Timestamps come from the database clock (`now()`),
+//! so replicas sharing the database agree on expiry.
+//!
+//! This file is the store itself (configuration, pools, migrations and the
+//! `ActivationStore` operations); the statements are in `sql.rs`, row
+//! mapping in `rows.rs`, pool building and error classification in
+//! `pool.rs`.
+
+mod pool;
+mod rows;
+mod sql;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use tokio_postgres::{NoTls, Row};
+
+use self::pool::{build_pool, describe, pool_error, query_error};
+use self::rows::{activation_from_row, activations_from_rows, limit, micros, split_tokens};
+use self::sql::*;
+use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
+use crate::model::{
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+};
+
+mod embedded {
+    refinery::embed_migrations!("migrations/postgres");
+}
+
+/// Key of the session advisory lock that serializes migrations across
+/// replicas starting at the same moment ("taskbroker" in ASCII, truncated).
+const MIGRATION_LOCK_KEY: i64 = 0x7461_736b_6272_6f6b;
+
+/// Settings for [`PostgresStore::connect`].
+#[derive(Debug, Clone)]
+pub struct PostgresStoreConfig {
+    pub url: String,
+    pub pool_size: usize,
+    /// Run the transitions a lease or deadline would replay anyway (claims,
+    /// mark processing, removal of finished rows) with
+    /// `synchronous_commit = off`. After a database crash some tasks may run
+    /// twice; none is lost.
+    pub async_commit: bool,
+    /// Bound on connecting and on waiting for a pooled connection, so callers
+    /// get `Unavailable` instead of hanging while the database is away.
+    pub connect_timeout: Duration,
+}
+
+impl PostgresStoreConfig {
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresStoreConfig {
+            url: url.into(),
+            pool_size: 16,
+            async_commit: false,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+pub struct PostgresStore {
+    url: String,
+    connect_timeout: Duration,
+    /// Durable commits: inserts, worker results, upkeep that publishes.
+    pool: Pool,
+    /// Transitions that may use asynchronous commit (same pool unless
+    /// `async_commit` is on).
+    replayable: Pool,
+}
+
+impl PostgresStore {
+    /// Builds the pools. Connections are opened lazily, so a database that
+    /// is down at startup shows up as `Unavailable` on first use.
+    pub fn connect(config: &PostgresStoreConfig) -> StoreResult<Self> {
+        let pool = build_pool(config, false)?;
+        let replayable = if config.async_commit {
+            build_pool(config, true)?
+        } else {
+            pool.clone()
+        };
+        Ok(PostgresStore {
+            url: config.url.clone(),
+            connect_timeout: config.connect_timeout,
+            pool,
+            replayable,
+        })
+    }
+
+    async fn client(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+    ) -> StoreResult<deadpool_postgres::Object> {
+        pool.get().await.map_err(|err| pool_error(operation, err))
+    }
+}
+
+impl PostgresStore {
+    /// Runs one prepared statement and returns its rows.
+    async fn query(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
+        let client = self.client(pool, operation).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(operation, e))?;
+        client
+            .query(&statement, params)
+            .await
+            .map_err(|e| query_error(operation, e))
+    }
+
+    /// Runs one prepared statement and returns the rows it affected.
+    async fn execute(
+        &self,
+        pool: &Pool,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<u64> {
+        let client = self.client(pool, operation).await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| query_error(operation, e))?;
+        client
+            .execute(&statement, params)
+            .await
+            .map_err(|e| query_error(operation, e))
+    }
+}
+
+#[async_trait]
+impl ActivationStore for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        let migration_error = |err: tokio_postgres::Error| StoreError::Migration(describe(&err));
+        let mut pg_config: tokio_postgres::Config = self
+            .url
+            .parse()
+            .map_err(|err| StoreError::Config(format!("invalid PostgreSQL URL: {err}")))?;
+        pg_config.connect_timeout(self.connect_timeout);
+        let (mut client, connection) = pg_config.connect(NoTls).await.map_err(migration_error)?;
+        let driver = tokio::spawn(connection);
+        // A session lock, held by this connection only: if this process dies
+        // mid-migration the lock goes with its connection.
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+            .await
+            .map_err(migration_error)?;
+        let outcome = embedded::migrations::runner()
+            .run_async(&mut client)
+            .await
+            .map(|_| ())
+            .map_err(|err| StoreError::Migration(err.to_string()));
+        let unlocked = client
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+            .await;
+        drop(client);
+        let _ = driver.await;
+        outcome?;
+        unlocked.map_err(migration_error)?;
+        Ok(())
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        const OP: &str = "ping";
+        let client = self.client(&self.pool, OP).await?;
+        client
+            .simple_query("SELECT 1")
+            .await
+            .map(drop)
+            .map_err(|e| query_error(OP, e))
+    }
+
+    async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64> {
+        const OP: &str = "insert_batch";
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let activations: Vec<&[u8]> = rows.iter().map(|r| r.activation.as_slice()).collect();
+        let topics: Vec<&str> = rows.iter().map(|r| r.topic.as_str()).collect();
+        let partitions: Vec<i32> = rows.iter().map(|r| r.partition).collect();
+        let offsets: Vec<i64> = rows.iter().map(|r| r.kafka_offset).collect();
+        let added: Vec<DateTime<Utc>> = rows.iter().map(|r| r.added_at).collect();
+        let received: Vec<DateTime<Utc>> = rows.iter().map(|r| r.received_at).collect();
+        let attempts: Vec<i32> = rows.iter().map(|r| r.processing_attempts).collect();
+        let expires: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.expires_at).collect();
+        let delays: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.delay_until).collect();
+        let durations: Vec<i32> = rows
+            .iter()
+            .map(|r| r.processing_deadline_duration)
+            .collect();
+        let deadlines: Vec<Option<DateTime<Utc>>> =
+            rows.iter().map(|r| r.processing_deadline).collect();
+        let claims: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.claim_expires_at).collect();
+        let statuses: Vec<&str> = rows.iter().map(|r| r.status.as_str()).collect();
+        let at_most_once: Vec<bool> = rows.iter().map(|r| r.at_most_once).collect();
+        let applications: Vec<&str> = rows.iter().map(|r| r.application.as_str()).collect();
+        let namespaces: Vec<&str> = rows.iter().map(|r| r.namespace.as_str()).collect();
+        let tasknames: Vec<&str> = rows.iter().map(|r| r.taskname.as_str()).collect();
+        let exceeded: Vec<i32> = rows
+            .iter()
+            .map(|r| r.on_attempts_exceeded.as_i32())
+            .collect();
+        let buckets: Vec<i16> = rows.iter().map(|r| r.bucket).collect();
+        let (edit_attempts, edit_delays): (Vec<Option<i64>>, Vec<Option<i64>>) = rows
+            .iter()
+            .map(|r| super::retry_edit_columns(&r.retry_edit))
+            .unzip();
+
+        self.execute(
+            &self.pool,
+            OP,
+            INSERT,
+            &[
+                &ids,
+                &activations,
+                &topics,
+                &partitions,
+                &offsets,
+                &added,
+                &received,
+                &attempts,
+                &expires,
+                &delays,
+                &durations,
+                &deadlines,
+                &claims,
+                &statuses,
+                &at_most_once,
+                &applications,
+                &namespaces,
+                &tasknames,
+                &exceeded,
+                &buckets,
+                &edit_attempts,
+                &edit_delays,
+            ],
+        )
+        .await
+    }
+
+    async fn claim_for_push(
+        &self,
+        buckets: BucketRange,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>> {
+        const OP: &str = "claim_for_push";
+        if limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = self
+            .query(
+                &self.replayable,
+                OP,
+                CLAIM_FOR_PUSH,
+                &[
+                    &buckets.first,
+                    &buckets.last,
+                    &limit(limit_rows),
+                    &micros(lease),
+                ],
+            )
+            .await?;
+        claimed_rows(activations_from_rows(&rows)?)
+    }
+
+    async fn claim_for_pull(
+        &self,
+        filter: &PullFilter,
+        deadline_grace: Duration,
+    ) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "claim_for_pull";
+        let sql = match (&filter.application, &filter.namespace) {
+            (None, None) => CLAIM_FOR_PULL_ANY,
+            (Some(_), None) => CLAIM_FOR_PULL_APPLICATION,
+            (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
+            (None, Some(_)) => return Ok(None),
+        };
+        let rows = self
+            .query(
+                &self.pool,
+                OP,
+                sql,
+                &[
+                    &deadline_grace.as_secs_f64(),
+                    &filter.application,
+                    &filter.namespace,
+                ],
+            )
+            .await?;
+        rows.first().map(activation_from_row).transpose()
+    }
+
+    async fn release_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "release_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        self.execute(&self.pool, OP, RELEASE_CLAIMS, &[&ids, &expiries])
+            .await
+    }
+
+    async fn mark_processing(
+        &self,
+        claims: &[ClaimToken],
+        deadline_grace: Duration,
+    ) -> StoreResult<Vec<String>> {
+        const OP: &str = "mark_processing";
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (ids, expiries) = split_tokens(claims);
+        let rows = self
+            .query(
+                &self.replayable,
+                OP,
+                MARK_PROCESSING,
+                &[&ids, &expiries, &deadline_grace.as_secs_f64()],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| row.try_get(0).map_err(|e| query_error(OP, e)))
+            .collect()
+    }
+
+    async fn fail_claim_attempt(
+        &self,
+        claims: &[ClaimToken],
+        max_attempts: u32,
+    ) -> StoreResult<u64> {
+        const OP: &str = "fail_claim_attempt";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        self.execute(
+            &self.pool,
+            OP,
+            FAIL_CLAIM_ATTEMPT,
+            &[&ids, &expiries, &max_attempts],
+        )
+        .await
+    }
+
+    async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome> {
+        const OP: &str = "set_status";
+        if updates.is_empty() {
+            return Ok(StatusUpdateOutcome::default());
+        }
+        let ids: Vec<&str> = updates.iter().map(|u| u.id.as_str()).collect();
+        let statuses: Vec<&str> = updates
+            .iter()
+            .map(|u| u.status.as_status().as_str())
+            .collect();
+        // One statement either way; only a batch with edits names them.
+        let rows = if updates.iter().any(StatusUpdate::edits_retry_state) {
+            let (edit_attempts, edit_delays): (Vec<Option<i64>>, Vec<Option<i64>>) = updates
+                .iter()
+                .map(|u| super::retry_edit_columns(&u.retry_edit()))
+                .unzip();
+            self.query(
+                &self.pool,
+                OP,
+                SET_STATUS_WITH_EDITS,
+                &[&ids, &statuses, &edit_attempts, &edit_delays],
+            )
+            .await?
+        } else {
+            self.query(&self.pool, OP, SET_STATUS, &[&ids, &statuses])
+                .await?
+        };
+        let row = rows.into_iter().next();
+        let row = row.ok_or(StoreError::Query {
+            operation: OP,
+            message: "status counts returned no row".to_owned(),
+        })?;
+        let count = |index: usize| -> StoreResult<u64> {
+            let value: i64 = row.try_get(index).map_err(|e| query_error(OP, e))?;
+            Ok(u64::try_from(value).unwrap_or(0))
+        };
+        let (distinct, existing, updated) = (count(0)?, count(1)?, count(2)?);
+        Ok(StatusUpdateOutcome {
+            updated,
+            ignored: existing.saturating_sub(updated),
+            missing: distinct.saturating_sub(existing),
+            late: count(3)?,
+        })
+    }
+
+    async fn delete_batch(&self, ids: &[String]) -> StoreResult<u64> {
+        const OP: &str = "delete_batch";
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.execute(&self.replayable, OP, DELETE_BATCH, &[&ids])
+            .await
+    }
+
+    async fn release_expired_claims(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "release_expired_claims",
+            RELEASE_EXPIRED_CLAIMS,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn handle_processing_deadlines(&self, limit_rows: usize) -> StoreResult<DeadlineOutcome> {
+        const OP: &str = "handle_processing_deadlines";
+        let rows = self
+            .query(
+                &self.pool,
+                OP,
+                HANDLE_PROCESSING_DEADLINES,
+                &[&limit(limit_rows)],
+            )
+            .await?;
+        let mut outcome = DeadlineOutcome::default();
+        for row in &rows {
+            let at_most_once: bool = row.try_get(0).map_err(|e| query_error(OP, e))?;
+            if at_most_once {
+                outcome.failed += 1;
+            } else {
+                outcome.retried += 1;
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn fail_exhausted_attempts(
+        &self,
+        max_attempts: u32,
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        self.execute(
+            &self.pool,
+            "fail_exhausted_attempts",
+            FAIL_EXHAUSTED_ATTEMPTS,
+            &[&max_attempts, &limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn remove_expired(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "remove_expired",
+            REMOVE_EXPIRED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn release_delayed(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "release_delayed",
+            RELEASE_DELAYED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn take_for_publish(
+        &self,
+        kind: PublishKind,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        const OP: &str = "take_for_publish";
+        let sql = match kind {
+            PublishKind::Retry => TAKE_RETRIES,
+            PublishKind::DeadLetter => TAKE_DEAD_LETTERS,
+        };
+        let rows = self
+            .query(&self.pool, OP, sql, &[&limit(limit_rows), &micros(lease)])
+            .await?;
+        activations_from_rows(&rows)
+    }
+
+    async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.pool,
+            "discard_failures",
+            DISCARD_FAILURES,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn mark_published(&self, ids: &[String]) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.execute(&self.pool, "mark_published", MARK_PUBLISHED, &[&ids])
+            .await
+    }
+
+    async fn remove_completed(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.execute(
+            &self.replayable,
+            "remove_completed",
+            REMOVE_COMPLETED,
+            &[&limit(limit_rows)],
+        )
+        .await
+    }
+
+    async fn count_by_status(&self) -> StoreResult<StatusCounts> {
+        const OP: &str = "count_by_status";
+        let rows = self.query(&self.pool, OP, COUNT_BY_STATUS, &[]).await?;
+        let mut counts = StatusCounts::default();
+        for row in &rows {
+            let status: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
+            let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
+            super::add_status_count(&mut counts, &status, count)?;
+        }
+        Ok(counts)
+    }
+
+    async fn max_pending_lag(&self) -> StoreResult<f64> {
+        const OP: &str = "max_pending_lag";
+        let rows = self.query(&self.pool, OP, MAX_PENDING_LAG, &[]).await?;
+        let row = rows.first().ok_or(StoreError::Query {
+            operation: OP,
+            message: "aggregate returned no row".to_owned(),
+        })?;
+        row.try_get(0).map_err(|e| query_error(OP, e))
+    }
+
+    async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "get";
+        let rows = self.query(&self.pool, OP, GET, &[&id]).await?;
+        rows.first().map(activation_from_row).transpose()
+    }
+
+    async fn fail_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "fail_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        self.execute(&self.pool, OP, FAIL_CLAIMS, &[&ids, &expiries])
+            .await
+    }
+
+    async fn defer_claims(&self, claims: &[ClaimToken], until: DateTime<Utc>) -> StoreResult<u64> {
+        const OP: &str = "defer_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (ids, expiries) = split_tokens(claims);
+        self.execute(&self.pool, OP, DEFER_CLAIMS, &[&ids, &expiries, &until])
+            .await
+    }
+}

@@ -1,0 +1,242 @@
+//! The PostgreSQL statements, one per store operation (a few have variants),
+//! kept apart from the code that runs them so each reads as SQL. Rows are
+//! named by `columns!`, in the order `rows.rs` reads them; batch
+//! statements take whole arrays (`unnest`), so a batch is one round trip.
+
+/// The row columns, in the order `rows::activation_from_row` reads them.
+macro_rules! columns {
+    () => {
+        "id, activation, topic, partition, kafka_offset, added_at, received_at, \
+         processing_attempts, expires_at, delay_until, processing_deadline_duration, \
+         processing_deadline, claim_expires_at, status, at_most_once, application, namespace, \
+         taskname, on_attempts_exceeded, bucket, retry_max_attempts, retry_delay_on_retry"
+    };
+    (t) => {
+        "t.id, t.activation, t.topic, t.partition, t.kafka_offset, t.added_at, t.received_at, \
+         t.processing_attempts, t.expires_at, t.delay_until, t.processing_deadline_duration, \
+         t.processing_deadline, t.claim_expires_at, t.status, t.at_most_once, t.application, \
+         t.namespace, t.taskname, t.on_attempts_exceeded, t.bucket, t.retry_max_attempts, \
+         t.retry_delay_on_retry"
+    };
+}
+
+// Bounded statements pick their rows in a MATERIALIZED CTE: a
+// `WHERE id IN (SELECT .. LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per
+// outer row and then touch far more than `n` rows.
+
+pub(super) const INSERT: &str = concat!(
+    "INSERT INTO inflight_taskactivations (",
+    columns!(),
+    ") SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int4[], $5::int8[], \
+     $6::timestamptz[], $7::timestamptz[], $8::int4[], $9::timestamptz[], $10::timestamptz[], \
+     $11::int4[], $12::timestamptz[], $13::timestamptz[], $14::text[], $15::bool[], $16::text[], \
+     $17::text[], $18::text[], $19::int4[], $20::int2[], $21::int8[], $22::int8[]) \
+     ON CONFLICT (id) DO NOTHING"
+);
+
+// The new expiry is strictly later than any this row had, even if the clock
+// or the lease went backwards: that is what makes the fence unambiguous.
+pub(super) const CLAIM_FOR_PUSH: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
+         AND (expires_at IS NULL OR expires_at > now()) \
+       ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+       claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
+                                   t.claim_expires_at + interval '1 microsecond') \
+     FROM picked WHERE t.id = picked.id RETURNING ",
+    columns!(t)
+);
+
+macro_rules! claim_for_pull {
+    ($filter:literal) => {
+        concat!(
+            "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+               WHERE status = 'Pending' AND (expires_at IS NULL OR expires_at > now()) ",
+            $filter,
+            " ORDER BY added_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
+             UPDATE inflight_taskactivations t SET status = 'Processing', \
+               processing_deadline = now() + ($1::float8 + t.processing_deadline_duration) \
+                                              * interval '1 second' \
+             FROM picked WHERE t.id = picked.id RETURNING ",
+            columns!(t)
+        )
+    };
+}
+pub(super) const CLAIM_FOR_PULL_ANY: &str =
+    claim_for_pull!("AND $2::text IS NULL AND $3::text IS NULL");
+pub(super) const CLAIM_FOR_PULL_APPLICATION: &str =
+    claim_for_pull!("AND application = $2 AND $3::text IS NULL");
+pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str =
+    claim_for_pull!("AND application = $2 AND namespace = $3");
+
+// Batch writes by id lock their rows in id order first (`held`): two
+// batches touching the same rows (a push pool marking pushes while workers
+// report results) would otherwise lock them in different orders and
+// deadlock. The fence (status and claim_expires_at) is re-checked on the
+// locked row version.
+macro_rules! fenced_claims {
+    () => {
+        "WITH held AS MATERIALIZED (SELECT t.id FROM inflight_taskactivations t \
+           JOIN unnest($1::text[], $2::timestamptz[]) AS r(id, claim_expires_at) \
+             ON t.id = r.id AND t.claim_expires_at = r.claim_expires_at \
+           WHERE t.status = 'Claimed' ORDER BY t.id FOR UPDATE OF t) "
+    };
+}
+
+pub(super) const RELEASE_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+pub(super) const MARK_PROCESSING: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Processing', \
+       processing_deadline = now() + ($3::float8 + t.processing_deadline_duration) \
+                                      * interval '1 second' \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed' RETURNING t.id"
+);
+
+pub(super) const FAIL_CLAIM_ATTEMPT: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t \
+       SET processing_attempts = t.processing_attempts + 1, \
+           status = CASE WHEN t.processing_attempts + 1 >= $3 THEN 'Failure' ELSE 'Pending' END \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+// The push used up the task's one delivery: the attempt counts.
+pub(super) const FAIL_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t \
+       SET processing_attempts = t.processing_attempts + 1, status = 'Failure' \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+pub(super) const DEFER_CLAIMS: &str = concat!(
+    fenced_claims!(),
+    "UPDATE inflight_taskactivations t SET status = 'Delay', delay_until = $3 \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
+);
+
+// Counts are over distinct ids; `existing` is read from the statement's
+// snapshot, i.e. before the update. `late` marks reports that likely come
+// from an earlier delivery (the row is past its processing deadline, or was
+// delivered before): `held` keeps the locked row's values from before the
+// update, so the count needs no second query.
+macro_rules! set_status {
+    ($reports:literal, $set:literal) => {
+        concat!(
+            "WITH u AS (SELECT DISTINCT ON (id) * FROM ",
+            $reports,
+            "), \
+             held AS MATERIALIZED (SELECT t.id, \
+                 (t.status = 'Processing' AND t.processing_deadline < now()) \
+                   OR t.processing_attempts > 0 AS late \
+               FROM inflight_taskactivations t JOIN u ON t.id = u.id \
+               WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
+             updated AS (UPDATE inflight_taskactivations t SET status = u.status",
+            $set,
+            " FROM u, held \
+               WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
+               RETURNING held.late) \
+             SELECT (SELECT count(*) FROM u), \
+                    (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
+                    (SELECT count(*) FROM updated), \
+                    (SELECT count(*) FROM updated WHERE late)"
+        )
+    };
+}
+pub(super) const SET_STATUS: &str =
+    set_status!("unnest($1::text[], $2::text[]) AS u(id, status)", "");
+// A batch where some RETRY reports carry edits: the same statement, which
+// also stores each edit's given values with its row, under the same fence.
+pub(super) const SET_STATUS_WITH_EDITS: &str = set_status!(
+    "unnest($1::text[], $2::text[], $3::int8[], $4::int8[]) \
+       AS u(id, status, max_attempts, delay_on_retry)",
+    ", retry_max_attempts = COALESCE(u.max_attempts, t.retry_max_attempts), \
+     retry_delay_on_retry = COALESCE(u.delay_on_retry, t.retry_delay_on_retry)"
+);
+
+pub(super) const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations WHERE id = ANY($1)";
+
+pub(super) const RELEASE_EXPIRED_CLAIMS: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Claimed' AND claim_expires_at < now() \
+       ORDER BY claim_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Claimed'";
+
+pub(super) const HANDLE_PROCESSING_DEADLINES: &str = "WITH due AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Processing' AND processing_deadline < now() \
+       ORDER BY processing_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t \
+       SET status = CASE WHEN t.at_most_once THEN 'Failure' ELSE 'Pending' END, \
+           processing_attempts = t.processing_attempts + 1, processing_deadline = NULL \
+     FROM due WHERE t.id = due.id AND t.status = 'Processing' RETURNING t.at_most_once";
+
+pub(super) const FAIL_EXHAUSTED_ATTEMPTS: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Pending' AND processing_attempts >= $1 \
+       LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Failure' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Pending'";
+
+pub(super) const REMOVE_EXPIRED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND expires_at IS NOT NULL AND expires_at < now() \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     DELETE FROM inflight_taskactivations t USING picked \
+     WHERE t.id = picked.id AND t.status = 'Pending'";
+
+pub(super) const RELEASE_DELAYED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Delay' AND delay_until <= now() \
+       ORDER BY delay_until LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Pending' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Delay'";
+
+macro_rules! take_for_publish {
+    ($filter:literal) => {
+        concat!(
+            "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations WHERE ",
+            $filter,
+            " AND (publish_expires_at IS NULL OR publish_expires_at < now()) \
+              ORDER BY added_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+             UPDATE inflight_taskactivations t \
+               SET publish_expires_at = now() + $2::int8 * interval '1 microsecond' \
+             FROM picked WHERE t.id = picked.id RETURNING ",
+            columns!(t)
+        )
+    };
+}
+pub(super) const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
+pub(super) const TAKE_DEAD_LETTERS: &str =
+    take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
+
+pub(super) const DISCARD_FAILURES: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Failure' AND on_attempts_exceeded <> 2 \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Complete' \
+     FROM picked WHERE t.id = picked.id AND t.status = 'Failure'";
+
+pub(super) const MARK_PUBLISHED: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
+     WHERE id = ANY($1) AND status IN ('Retry', 'Failure')";
+
+pub(super) const REMOVE_COMPLETED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Complete' \
+       LIMIT $1 FOR UPDATE SKIP LOCKED) \
+     DELETE FROM inflight_taskactivations t USING picked \
+     WHERE t.id = picked.id AND t.status = 'Complete'";
+
+pub(super) const COUNT_BY_STATUS: &str =
+    "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
+
+pub(super) const MAX_PENDING_LAG: &str = "SELECT COALESCE(GREATEST(EXTRACT(EPOCH FROM \
+       now() - min(GREATEST(received_at, COALESCE(delay_until, received_at)))), 0), 0)::float8 \
+     FROM inflight_taskactivations \
+     WHERE status IN ('Pending', 'Claimed') AND processing_attempts = 0";
+
+pub(super) const GET: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM inflight_taskactivations WHERE id = $1"
+);

@@ -1,0 +1,149 @@
+//! Running one statement on a connection (the writer's or a reader's) and
+//! telling the caller what a SQLite failure means: `Unavailable` (retry),
+//! `Rejected` (the data) or `Query`.
+
+use rusqlite::{Connection, ErrorCode, OptionalExtension, ToSql, params};
+
+use super::rows::{activation_from_row, json_tokens, now_micros};
+use super::sql::{EXISTS, SET_STATUS, SET_STATUS_WITH_EDIT};
+use crate::model::{ClaimToken, InflightActivation, StatusUpdate};
+use crate::store::{StoreError, StoreResult, retry_edit_columns};
+
+/// Lock contention and I/O trouble (disk full, file gone) may pass:
+/// `Unavailable`. Data SQLite refuses is `Rejected`; any other statement it
+/// rejects is a `Query` error.
+pub(super) fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreError {
+    let unavailable = matches!(
+        err.sqlite_error_code(),
+        Some(
+            ErrorCode::DatabaseBusy
+                | ErrorCode::DatabaseLocked
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::DiskFull
+                | ErrorCode::CannotOpen
+                | ErrorCode::OutOfMemory
+        )
+    );
+    // The rows themselves are at fault: a value too big, a constraint, a
+    // type mismatch, a parameter out of range. Retrying cannot help.
+    let rejected = matches!(
+        err.sqlite_error_code(),
+        Some(
+            ErrorCode::TooBig
+                | ErrorCode::ConstraintViolation
+                | ErrorCode::TypeMismatch
+                | ErrorCode::ParameterOutOfRange
+        )
+    );
+    let message = err.to_string();
+    if unavailable {
+        StoreError::Unavailable { operation, message }
+    } else if rejected {
+        StoreError::Rejected { operation, message }
+    } else {
+        StoreError::Query { operation, message }
+    }
+}
+
+/// Runs a statement returning whole rows (`RETURNING` or `SELECT`).
+pub(super) fn query_rows(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> StoreResult<Vec<InflightActivation>> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let mut rows = statement
+        .query(params)
+        .map_err(|e| sql_error(operation, e))?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        out.push(activation_from_row(row)?);
+    }
+    Ok(out)
+}
+
+/// Runs a statement and returns how many rows it changed.
+pub(super) fn execute(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> StoreResult<u64> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let changed = statement
+        .execute(params)
+        .map_err(|e| sql_error(operation, e))?;
+    Ok(changed as u64)
+}
+
+/// Runs one fenced statement over every claim token (`?1`, see
+/// [`json_tokens`]; `?2` = `extra` if given) and returns the ids of the
+/// rows it changed.
+pub(super) fn fenced(
+    connection: &Connection,
+    operation: &'static str,
+    sql: &str,
+    claims: &[ClaimToken],
+    extra: Option<i64>,
+) -> StoreResult<Vec<String>> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let tokens = json_tokens(claims);
+    let mut rows = match extra {
+        Some(extra) => statement.query(params![tokens, extra]),
+        None => statement.query(params![tokens]),
+    }
+    .map_err(|e| sql_error(operation, e))?;
+    let mut moved = Vec::new();
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        moved.push(row.get(0).map_err(|e| sql_error(operation, e))?);
+    }
+    Ok(moved)
+}
+
+/// Applies one worker report if its row is handed out (Claimed or
+/// Processing): `Some(late)` when it applied, `None` otherwise. A RETRY
+/// report's edit is stored with the row by the same statement.
+pub(super) fn apply_report(
+    connection: &Connection,
+    update: &StatusUpdate,
+) -> StoreResult<Option<bool>> {
+    const OP: &str = "set_status";
+    let status = update.status.as_status().as_str();
+    let now = now_micros();
+    let (edit_attempts, edit_delay) = retry_edit_columns(&update.retry_edit());
+    let (sql, params): (&str, Vec<&dyn ToSql>) = if update.edits_retry_state() {
+        let params: Vec<&dyn ToSql> = vec![&update.id, &status, &now, &edit_attempts, &edit_delay];
+        (SET_STATUS_WITH_EDIT, params)
+    } else {
+        (SET_STATUS, vec![&update.id, &status, &now])
+    };
+    connection
+        .prepare_cached(sql)
+        .and_then(|mut statement| {
+            statement
+                .query_row(params.as_slice(), |row| row.get(0))
+                .optional()
+        })
+        .map_err(|e| sql_error(OP, e))
+}
+
+/// Whether a row with this id exists (for `set_status`'s counts).
+pub(super) fn exists(connection: &Connection, id: &str) -> StoreResult<bool> {
+    const OP: &str = "set_status";
+    connection
+        .prepare_cached(EXISTS)
+        .and_then(|mut statement| {
+            statement
+                .query_row(params![id], |_| Ok(()))
+                .optional()
+                .map(|found| found.is_some())
+        })
+        .map_err(|e| sql_error(OP, e))
+}

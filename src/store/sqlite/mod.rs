@@ -1,0 +1,643 @@
+//! SQLite backend, for a single-node broker with no database server.
+//!
+//! One file in WAL mode. All writes go through **one writer thread** that
+//! owns the only read-write connection: SQLite allows one writer at a time
+//! anyway, and owning it means no lock contention, no `SQLITE_BUSY` between
+//! our own connections, and claims that cannot race (a claim is a plain
+//! `UPDATE … WHERE id IN (SELECT … LIMIT n)` because no other writer exists).
+//! The writer drains its queue and runs everything queued in one transaction
+//! (group commit), each operation inside a savepoint so one failing
+//! operation rolls back alone. Callers get their result only after the
+//! transaction committed. Reads (`get`, counts, lag, ping) run on a small pool of
+//! read-only connections on tokio's blocking pool, concurrently with the
+//! writer, as WAL allows. Nothing blocking runs on an async executor.
+//!
+//! Timestamps are INTEGER microseconds since the epoch, taken from this
+//! process's clock (there is only one process). Equality on
+//! `claim_expires_at` is exact, and each claim writes
+//! `max(now + lease, previous + 1 µs)`, so the fence is as strict as
+//! PostgreSQL's.
+//!
+//! Durability follows `DB_ASYNC_COMMIT` like PostgreSQL: a group holding an
+//! insert or a worker result always commits with `synchronous = FULL`;
+//! groups of only replayable transitions may commit with `NORMAL` (the
+//! process can crash without loss either way; only an OS crash or power
+//! cut can drop those, and leases replay them).
+//!
+//! Space: the database is created with `auto_vacuum = INCREMENTAL`; when
+//! upkeep removes finished rows and the free list grows past
+//! `writer::FREE_PAGES_KEPT`, a bounded `incremental_vacuum` returns pages
+//! to the file system, so the file tracks the in-flight rows, not the history.
+//!
+//! This file is the store itself: its configuration, opening, and the
+//! `ActivationStore` operations as jobs for the writer or the readers. The
+//! writer thread and its transactions are in `writer.rs`, the reader pool in
+//! `reader.rs`, the statements in `sql.rs`, row and parameter mapping in
+//! `rows.rs`, running a statement and classifying errors in `exec.rs`, and
+//! the one-process lock in `lock.rs`.
+
+mod exec;
+mod lock;
+mod reader;
+mod rows;
+mod sql;
+mod writer;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use rusqlite::{Connection, params};
+use tokio::sync::oneshot;
+
+use self::exec::{apply_report, execute, exists, fenced, query_rows, sql_error};
+use self::lock::lock_for_this_process;
+use self::reader::ReaderPool;
+use self::rows::{duration_micros, json_strings, limit, micros_of, now_micros};
+use self::sql::*;
+use self::writer::{Command, WriteJob, open_writer, reclaim_free_pages, writer_gone, writer_loop};
+use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
+use crate::model::{
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+};
+
+mod embedded {
+    refinery::embed_migrations!("migrations/sqlite");
+}
+
+/// Settings for [`SqliteStore::open`].
+#[derive(Debug, Clone)]
+pub struct SqliteStoreConfig {
+    pub path: PathBuf,
+    /// Read-only connections for `get`, counts and lag (at least 1).
+    pub readers: usize,
+    /// See the module docs: replayable transitions may skip the fsync.
+    pub async_commit: bool,
+    /// How long a statement waits for a lock held by another process
+    /// (e.g. a `sqlite3` shell) before the operation fails as `Unavailable`.
+    pub busy_timeout: Duration,
+}
+
+impl SqliteStoreConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        SqliteStoreConfig {
+            path: path.into(),
+            readers: 4,
+            async_commit: false,
+            busy_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+pub struct SqliteStore {
+    path: PathBuf,
+    writer: mpsc::Sender<Command>,
+    readers: Arc<ReaderPool>,
+    /// Exclusive lock on `<path>.lock`, held while the store is open: a
+    /// second broker process on the same file refuses to start instead of
+    /// competing for the writer lock. The kernel drops it if we die.
+    _process_lock: std::fs::File,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file and starts the writer
+    /// thread. Fails with a clear message when the file cannot be opened.
+    pub fn open(config: &SqliteStoreConfig) -> StoreResult<Self> {
+        if let Some(parent) = config.path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !parent.is_dir()
+        {
+            return Err(StoreError::Config(format!(
+                "SQLite path {}: directory {} does not exist",
+                config.path.display(),
+                parent.display()
+            )));
+        }
+        let process_lock = lock_for_this_process(&config.path)?;
+        let connection = open_writer(&config.path, config.busy_timeout)?;
+        let (sender, receiver) = mpsc::channel();
+        let async_commit = config.async_commit;
+        std::thread::Builder::new()
+            .name("sqlite-writer".to_owned())
+            .spawn(move || writer_loop(connection, receiver, async_commit))
+            .map_err(|err| StoreError::Config(format!("cannot start SQLite writer: {err}")))?;
+        Ok(SqliteStore {
+            path: config.path.clone(),
+            writer: sender,
+            readers: Arc::new(ReaderPool {
+                path: config.path.clone(),
+                busy_timeout: config.busy_timeout,
+                max_idle: config.readers.max(1),
+                idle: Mutex::new(Vec::new()),
+            }),
+            _process_lock: process_lock,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Queues `operation` on the writer and waits for its committed result.
+    /// `durable` operations (inserts, worker results) always commit with a
+    /// full fsync.
+    async fn write<T, F>(&self, operation: &'static str, durable: bool, run: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let (reply, result) = oneshot::channel();
+        let job: WriteJob = Box::new(move |connection| match connection {
+            Err(err) => {
+                let err = err.clone();
+                (false, Box::new(move |_| drop(reply.send(Err(err)))))
+            }
+            Ok(connection) => match run(connection) {
+                Ok(value) => (
+                    true,
+                    Box::new(move |committed: StoreResult<()>| {
+                        drop(reply.send(committed.map(|()| value)))
+                    }),
+                ),
+                Err(err) => (false, Box::new(move |_| drop(reply.send(Err(err))))),
+            },
+        });
+        self.writer
+            .send(Command::Write { durable, job })
+            .map_err(|_| writer_gone(operation))?;
+        result.await.map_err(|_| writer_gone(operation))?
+    }
+
+    /// An upkeep statement over rows due by now: `?1` now, `?2` limit.
+    async fn due_now(
+        &self,
+        operation: &'static str,
+        sql: &'static str,
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        self.write(operation, true, move |connection| {
+            execute(
+                connection,
+                operation,
+                sql,
+                params![now_micros(), limit(limit_rows)],
+            )
+        })
+        .await
+    }
+
+    /// The database file and the files SQLite and the store keep beside it
+    /// (WAL, shared memory, process lock): what to remove with the database.
+    pub fn files(path: &Path) -> [PathBuf; 4] {
+        ["", "-wal", "-shm", ".lock"].map(|suffix| {
+            let mut file = path.as_os_str().to_owned();
+            file.push(suffix);
+            PathBuf::from(file)
+        })
+    }
+
+    /// Runs `read` on a read-only connection on the blocking pool.
+    async fn read<T, F>(&self, operation: &'static str, read: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let readers = Arc::clone(&self.readers);
+        tokio::task::spawn_blocking(move || {
+            let connection = readers.take(operation)?;
+            let result = read(&connection);
+            readers.put(connection);
+            result
+        })
+        .await
+        .map_err(|err| StoreError::Unavailable {
+            operation,
+            message: format!("read task failed: {err}"),
+        })?
+    }
+}
+
+#[async_trait]
+impl ActivationStore for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        let (reply, result) = oneshot::channel();
+        self.writer
+            .send(Command::Exclusive(Box::new(move |connection| {
+                let outcome = embedded::migrations::runner()
+                    .run(connection)
+                    .map(|_| ())
+                    .map_err(|err| StoreError::Migration(err.to_string()));
+                let _ = reply.send(outcome);
+            })))
+            .map_err(|_| writer_gone("migrate"))?;
+        result.await.map_err(|_| writer_gone("migrate"))?
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        const OP: &str = "ping";
+        self.read(OP, |connection| {
+            connection
+                .query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(|e| sql_error(OP, e))
+        })
+        .await
+    }
+
+    async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64> {
+        const OP: &str = "insert_batch";
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let rows = rows.to_vec();
+        self.write(OP, true, move |connection| {
+            let mut statement = connection
+                .prepare_cached(INSERT)
+                .map_err(|e| sql_error(OP, e))?;
+            let mut inserted = 0;
+            for r in &rows {
+                let (edit_attempts, edit_delay) = super::retry_edit_columns(&r.retry_edit);
+                inserted += statement
+                    .execute(params![
+                        r.id,
+                        r.activation,
+                        r.topic,
+                        r.partition,
+                        r.kafka_offset,
+                        micros_of(r.added_at),
+                        micros_of(r.received_at),
+                        r.processing_attempts,
+                        r.expires_at.map(micros_of),
+                        r.delay_until.map(micros_of),
+                        r.processing_deadline_duration,
+                        r.processing_deadline.map(micros_of),
+                        r.claim_expires_at.map(micros_of),
+                        r.status.as_str(),
+                        r.at_most_once,
+                        r.application,
+                        r.namespace,
+                        r.taskname,
+                        r.on_attempts_exceeded.as_i32(),
+                        r.bucket,
+                        edit_attempts,
+                        edit_delay,
+                    ])
+                    .map_err(|e| sql_error(OP, e))? as u64;
+            }
+            Ok(inserted)
+        })
+        .await
+    }
+
+    async fn claim_for_push(
+        &self,
+        buckets: BucketRange,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>> {
+        const OP: &str = "claim_for_push";
+        if limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let lease = duration_micros(lease);
+        self.write(OP, false, move |connection| {
+            let now = now_micros();
+            let claimed = query_rows(
+                connection,
+                OP,
+                CLAIM_FOR_PUSH,
+                params![
+                    buckets.first,
+                    buckets.last,
+                    limit(limit_rows),
+                    now.saturating_add(lease),
+                    now
+                ],
+            )?;
+            claimed_rows(claimed)
+        })
+        .await
+    }
+
+    async fn claim_for_pull(
+        &self,
+        filter: &PullFilter,
+        deadline_grace: Duration,
+    ) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "claim_for_pull";
+        let sql = match (&filter.application, &filter.namespace) {
+            (None, None) => CLAIM_FOR_PULL_ANY,
+            (Some(_), None) => CLAIM_FOR_PULL_APPLICATION,
+            (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
+            (None, Some(_)) => return Ok(None),
+        };
+        let filter = filter.clone();
+        let grace = duration_micros(deadline_grace);
+        self.write(OP, true, move |connection| {
+            let now = now_micros();
+            let rows = query_rows(
+                connection,
+                OP,
+                sql,
+                params![
+                    now,
+                    now.saturating_add(grace),
+                    filter.application,
+                    filter.namespace
+                ],
+            )?;
+            Ok(rows.into_iter().next())
+        })
+        .await
+    }
+
+    async fn release_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "release_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        // Durable: a lost release would only be replayed by the lease, but
+        // it is rare and small, so it pays for the fsync.
+        self.write(OP, true, move |connection| {
+            fenced(connection, OP, RELEASE_CLAIMS, &claims, None).map(|ids| ids.len() as u64)
+        })
+        .await
+    }
+
+    async fn mark_processing(
+        &self,
+        claims: &[ClaimToken],
+        deadline_grace: Duration,
+    ) -> StoreResult<Vec<String>> {
+        const OP: &str = "mark_processing";
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let claims = claims.to_vec();
+        let grace = duration_micros(deadline_grace);
+        self.write(OP, false, move |connection| {
+            let deadline_base = now_micros().saturating_add(grace);
+            fenced(
+                connection,
+                OP,
+                MARK_PROCESSING,
+                &claims,
+                Some(deadline_base),
+            )
+        })
+        .await
+    }
+
+    async fn fail_claim_attempt(
+        &self,
+        claims: &[ClaimToken],
+        max_attempts: u32,
+    ) -> StoreResult<u64> {
+        const OP: &str = "fail_claim_attempt";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        let max_attempts = i64::from(max_attempts);
+        self.write(OP, true, move |connection| {
+            fenced(
+                connection,
+                OP,
+                FAIL_CLAIM_ATTEMPT,
+                &claims,
+                Some(max_attempts),
+            )
+            .map(|ids| ids.len() as u64)
+        })
+        .await
+    }
+
+    async fn set_status(&self, updates: &[StatusUpdate]) -> StoreResult<StatusUpdateOutcome> {
+        const OP: &str = "set_status";
+        if updates.is_empty() {
+            return Ok(StatusUpdateOutcome::default());
+        }
+        // One update per id, the first given, as PostgreSQL's DISTINCT ON.
+        let mut seen = HashSet::with_capacity(updates.len());
+        let updates: Vec<StatusUpdate> = updates
+            .iter()
+            .filter(|update| seen.insert(update.id.clone()))
+            .cloned()
+            .collect();
+        self.write(OP, true, move |connection| {
+            let mut outcome = StatusUpdateOutcome::default();
+            for update in &updates {
+                if let Some(late) = apply_report(connection, update)? {
+                    outcome.updated += 1;
+                    outcome.late += u64::from(late);
+                } else if exists(connection, &update.id)? {
+                    outcome.ignored += 1;
+                } else {
+                    outcome.missing += 1;
+                }
+            }
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn delete_batch(&self, ids: &[String]) -> StoreResult<u64> {
+        const OP: &str = "delete_batch";
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let ids = json_strings(ids.iter().map(String::as_str));
+        self.write(OP, false, move |connection| {
+            execute(connection, OP, DELETE_BATCH, params![ids])
+        })
+        .await
+    }
+
+    async fn release_expired_claims(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.due_now("release_expired_claims", RELEASE_EXPIRED_CLAIMS, limit_rows)
+            .await
+    }
+
+    async fn handle_processing_deadlines(&self, limit_rows: usize) -> StoreResult<DeadlineOutcome> {
+        const OP: &str = "handle_processing_deadlines";
+        self.write(OP, true, move |connection| {
+            let mut statement = connection
+                .prepare_cached(HANDLE_PROCESSING_DEADLINES)
+                .map_err(|e| sql_error(OP, e))?;
+            let mut rows = statement
+                .query(params![now_micros(), limit(limit_rows)])
+                .map_err(|e| sql_error(OP, e))?;
+            let mut outcome = DeadlineOutcome::default();
+            while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
+                let at_most_once: bool = row.get(0).map_err(|e| sql_error(OP, e))?;
+                if at_most_once {
+                    outcome.failed += 1;
+                } else {
+                    outcome.retried += 1;
+                }
+            }
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn fail_exhausted_attempts(
+        &self,
+        max_attempts: u32,
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        const OP: &str = "fail_exhausted_attempts";
+        self.write(OP, true, move |connection| {
+            execute(
+                connection,
+                OP,
+                FAIL_EXHAUSTED_ATTEMPTS,
+                params![i64::from(max_attempts), limit(limit_rows)],
+            )
+        })
+        .await
+    }
+
+    async fn remove_expired(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.due_now("remove_expired", REMOVE_EXPIRED, limit_rows)
+            .await
+    }
+
+    async fn release_delayed(&self, limit_rows: usize) -> StoreResult<u64> {
+        self.due_now("release_delayed", RELEASE_DELAYED, limit_rows)
+            .await
+    }
+
+    async fn take_for_publish(
+        &self,
+        kind: PublishKind,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        const OP: &str = "take_for_publish";
+        let sql = match kind {
+            PublishKind::Retry => TAKE_RETRIES,
+            PublishKind::DeadLetter => TAKE_DEAD_LETTERS,
+        };
+        let lease = duration_micros(lease);
+        self.write(OP, true, move |connection| {
+            let now = now_micros();
+            query_rows(
+                connection,
+                OP,
+                sql,
+                params![now, limit(limit_rows), now.saturating_add(lease)],
+            )
+        })
+        .await
+    }
+
+    async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
+        const OP: &str = "discard_failures";
+        self.write(OP, true, move |connection| {
+            execute(connection, OP, DISCARD_FAILURES, params![limit(limit_rows)])
+        })
+        .await
+    }
+
+    async fn mark_published(&self, ids: &[String]) -> StoreResult<u64> {
+        const OP: &str = "mark_published";
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let ids = json_strings(ids.iter().map(String::as_str));
+        self.write(OP, true, move |connection| {
+            execute(connection, OP, MARK_PUBLISHED, params![ids])
+        })
+        .await
+    }
+
+    async fn remove_completed(&self, limit_rows: usize) -> StoreResult<u64> {
+        const OP: &str = "remove_completed";
+        self.write(OP, false, move |connection| {
+            let removed = execute(connection, OP, REMOVE_COMPLETED, params![limit(limit_rows)])?;
+            if removed > 0 {
+                reclaim_free_pages(connection)?;
+            }
+            Ok(removed)
+        })
+        .await
+    }
+
+    async fn count_by_status(&self) -> StoreResult<StatusCounts> {
+        const OP: &str = "count_by_status";
+        self.read(OP, |connection| {
+            let mut statement = connection
+                .prepare_cached(COUNT_BY_STATUS)
+                .map_err(|e| sql_error(OP, e))?;
+            let mut rows = statement.query([]).map_err(|e| sql_error(OP, e))?;
+            let mut counts = StatusCounts::default();
+            while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
+                let status: String = row.get(0).map_err(|e| sql_error(OP, e))?;
+                let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
+                super::add_status_count(&mut counts, &status, count)?;
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
+    async fn max_pending_lag(&self) -> StoreResult<f64> {
+        const OP: &str = "max_pending_lag";
+        self.read(OP, |connection| {
+            let oldest: Option<i64> = connection
+                .prepare_cached(OLDEST_RUNNABLE)
+                .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+                .map_err(|e| sql_error(OP, e))?;
+            Ok(oldest
+                .map(|oldest| (now_micros().saturating_sub(oldest)).max(0) as f64 / 1e6)
+                .unwrap_or(0.0))
+        })
+        .await
+    }
+
+    async fn get(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "get";
+        let id = id.to_owned();
+        self.read(OP, move |connection| {
+            Ok(query_rows(connection, OP, GET, params![id])?
+                .into_iter()
+                .next())
+        })
+        .await
+    }
+
+    async fn fail_claims(&self, claims: &[ClaimToken]) -> StoreResult<u64> {
+        const OP: &str = "fail_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        // Durable: losing it would deliver an at_most_once task again.
+        self.write(OP, true, move |connection| {
+            fenced(connection, OP, FAIL_CLAIMS, &claims, None).map(|ids| ids.len() as u64)
+        })
+        .await
+    }
+
+    async fn defer_claims(&self, claims: &[ClaimToken], until: DateTime<Utc>) -> StoreResult<u64> {
+        const OP: &str = "defer_claims";
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let claims = claims.to_vec();
+        let until = micros_of(until);
+        self.write(OP, true, move |connection| {
+            fenced(connection, OP, DEFER_CLAIMS, &claims, Some(until)).map(|ids| ids.len() as u64)
+        })
+        .await
+    }
+}

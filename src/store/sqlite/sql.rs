@@ -1,0 +1,185 @@
+//! The SQLite statements, one per store operation (a few have variants),
+//! kept apart from the code that runs them so each reads as SQL. Rows are
+//! named by `columns!`, in the order `rows.rs` reads them; timestamps are
+//! integer microseconds (`?` parameters say which is now); id lists and
+//! claim tokens travel as one JSON array (`json_each`), so a batch is one
+//! statement.
+
+/// The row columns, in the order `rows::activation_from_row` reads them.
+macro_rules! columns {
+    () => {
+        "id, activation, topic, partition, kafka_offset, added_at, received_at, \
+         processing_attempts, expires_at, delay_until, processing_deadline_duration, \
+         processing_deadline, claim_expires_at, status, at_most_once, application, namespace, \
+         taskname, on_attempts_exceeded, bucket, retry_max_attempts, retry_delay_on_retry"
+    };
+}
+
+pub(super) const INSERT: &str = concat!(
+    "INSERT INTO inflight_taskactivations (",
+    columns!(),
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, \
+     ?19, ?20, ?21, ?22) ON CONFLICT (id) DO NOTHING"
+);
+
+// The single writer makes "skip rows others hold" unnecessary: no other
+// claim runs at the same time. `?4` is now + lease; the expiry is strictly
+// later than any this row had.
+pub(super) const CLAIM_FOR_PUSH: &str = concat!(
+    "UPDATE inflight_taskactivations \
+       SET status = 'Claimed', claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
+         AND (expires_at IS NULL OR expires_at > ?5) \
+       ORDER BY added_at LIMIT ?3) \
+     RETURNING ",
+    columns!()
+);
+
+// `?1` now, `?2` now + grace (µs), `?3` application, `?4` namespace.
+macro_rules! claim_for_pull {
+    ($filter:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations \
+               SET status = 'Processing', \
+                   processing_deadline = ?2 + processing_deadline_duration * 1000000 \
+             WHERE id IN (SELECT id FROM inflight_taskactivations \
+               WHERE status = 'Pending' AND (expires_at IS NULL OR expires_at > ?1) ",
+            $filter,
+            " ORDER BY added_at LIMIT 1) RETURNING ",
+            columns!()
+        )
+    };
+}
+pub(super) const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!("AND ?3 IS NULL AND ?4 IS NULL");
+pub(super) const CLAIM_FOR_PULL_APPLICATION: &str =
+    claim_for_pull!("AND application = ?3 AND ?4 IS NULL");
+pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str =
+    claim_for_pull!("AND application = ?3 AND namespace = ?4");
+
+// Fenced by id, status and the exact claim_expires_at the holder saw: one
+// statement for the whole batch, its tokens unpacked from one JSON array.
+macro_rules! fenced_claims {
+    ($set:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations AS t SET ",
+            $set,
+            " FROM (SELECT value ->> 0 AS id, value ->> 1 AS claim_expires_at \
+                    FROM json_each(?1)) AS r \
+             WHERE t.id = r.id AND t.claim_expires_at = r.claim_expires_at \
+               AND t.status = 'Claimed' \
+             RETURNING id"
+        )
+    };
+}
+
+pub(super) const RELEASE_CLAIMS: &str = fenced_claims!("status = 'Pending'");
+
+pub(super) const MARK_PROCESSING: &str = fenced_claims!(
+    "status = 'Processing', processing_deadline = ?2 + processing_deadline_duration * 1000000"
+);
+
+pub(super) const FAIL_CLAIM_ATTEMPT: &str = fenced_claims!(
+    "processing_attempts = processing_attempts + 1, \
+     status = CASE WHEN processing_attempts + 1 >= ?2 THEN 'Failure' ELSE 'Pending' END"
+);
+
+// The push used up the task's one delivery: the attempt counts.
+pub(super) const FAIL_CLAIMS: &str =
+    fenced_claims!("processing_attempts = processing_attempts + 1, status = 'Failure'");
+
+pub(super) const DEFER_CLAIMS: &str = fenced_claims!("status = 'Delay', delay_until = ?2");
+
+// Answers one row when the report applied, saying whether it likely came
+// from an earlier delivery (`?3` now): past the processing deadline, or
+// delivered before. The update changes only `status` (and a RETRY's edit
+// columns), so RETURNING sees the deadline and attempts as they were. Of Claimed and Processing rows only
+// Processing ones carry a deadline (handing a task out sets it, deadline
+// expiry clears it), so no status test is needed.
+macro_rules! set_status {
+    ($set:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations SET status = ?2",
+            $set,
+            " WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
+             RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
+               OR processing_attempts > 0"
+        )
+    };
+}
+pub(super) const SET_STATUS: &str = set_status!("");
+// A RETRY report with edits: the same statement, which also stores the
+// edit's given values (`?4`, `?5`) with the row, under the same fence.
+pub(super) const SET_STATUS_WITH_EDIT: &str = set_status!(
+    ", retry_max_attempts = coalesce(?4, retry_max_attempts), \
+     retry_delay_on_retry = coalesce(?5, retry_delay_on_retry)"
+);
+
+pub(super) const EXISTS: &str = "SELECT 1 FROM inflight_taskactivations WHERE id = ?1";
+
+pub(super) const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT value FROM json_each(?1))";
+
+pub(super) const RELEASE_EXPIRED_CLAIMS: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Claimed' AND claim_expires_at < ?1 ORDER BY claim_expires_at LIMIT ?2)";
+
+pub(super) const HANDLE_PROCESSING_DEADLINES: &str = "UPDATE inflight_taskactivations \
+       SET status = CASE WHEN at_most_once THEN 'Failure' ELSE 'Pending' END, \
+           processing_attempts = processing_attempts + 1, processing_deadline = NULL \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Processing' AND processing_deadline < ?1 \
+       ORDER BY processing_deadline LIMIT ?2) \
+     RETURNING at_most_once";
+
+pub(super) const FAIL_EXHAUSTED_ATTEMPTS: &str = "UPDATE inflight_taskactivations SET status = 'Failure' \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND processing_attempts >= ?1 LIMIT ?2)";
+
+pub(super) const REMOVE_EXPIRED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND expires_at IS NOT NULL AND expires_at < ?1 LIMIT ?2)";
+
+pub(super) const RELEASE_DELAYED: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Delay' AND delay_until <= ?1 ORDER BY delay_until LIMIT ?2)";
+
+// `?1` now, `?2` limit, `?3` now + lease.
+macro_rules! take_for_publish {
+    ($filter:literal) => {
+        concat!(
+            "UPDATE inflight_taskactivations SET publish_expires_at = ?3 \
+             WHERE id IN (SELECT id FROM inflight_taskactivations WHERE ",
+            $filter,
+            " AND (publish_expires_at IS NULL OR publish_expires_at < ?1) \
+               ORDER BY added_at LIMIT ?2) RETURNING ",
+            columns!()
+        )
+    };
+}
+pub(super) const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
+pub(super) const TAKE_DEAD_LETTERS: &str =
+    take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
+
+pub(super) const DISCARD_FAILURES: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Failure' AND on_attempts_exceeded <> 2 LIMIT ?1)";
+
+pub(super) const MARK_PUBLISHED: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
+     WHERE id IN (SELECT value FROM json_each(?1)) AND status IN ('Retry', 'Failure')";
+
+pub(super) const REMOVE_COMPLETED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT id FROM inflight_taskactivations WHERE status = 'Complete' LIMIT ?1)";
+
+pub(super) const COUNT_BY_STATUS: &str =
+    "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
+
+pub(super) const OLDEST_RUNNABLE: &str = "SELECT min(max(received_at, coalesce(delay_until, received_at))) \
+     FROM inflight_taskactivations \
+     WHERE status IN ('Pending', 'Claimed') AND processing_attempts = 0";
+
+pub(super) const GET: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM inflight_taskactivations WHERE id = ?1"
+);

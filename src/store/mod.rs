@@ -281,11 +281,6 @@ pub trait ActivationStore: Send + Sync + 'static {
     /// Row counts per status.
     async fn count_by_status(&self) -> StoreResult<StatusCounts>;
 
-    /// A cheap check that the store answers.
-    async fn ping(&self) -> StoreResult<()> {
-        self.count_by_status().await.map(|_| ())
-    }
-
     /// Age in seconds of the oldest first-attempt Pending or Claimed row,
     /// measured from when it became runnable (`received_at`, or `delay_until`
     /// when later); 0 when there is none.

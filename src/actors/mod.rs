@@ -1,5 +1,7 @@
-//! The broker's actors (DESIGN.md, "Actors"). One file each; they talk only
-//! through typed messages.
+//! The broker's actors (DESIGN.md, "Actors"). One module each (a folder
+//! where an actor has parts of its own); they talk only through typed
+//! messages, and reach the store only through a [`StoreHandle`]. The broker
+//! watches every one of them (`crate::supervisor`).
 
 pub mod claims;
 pub mod consumer;

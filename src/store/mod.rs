@@ -1,5 +1,5 @@
 //! The in-flight activation store: one interface of intent-named operations,
-//! implemented by PostgreSQL (`postgres.rs`) and SQLite (`sqlite.rs`).
+//! implemented by PostgreSQL (`postgres/`) and SQLite (`sqlite/`).
 //!
 //! Every transition that a claim could race is *fenced*: it names the row by
 //! id **and** by the `claim_expires_at` the caller saw when it claimed it. Each

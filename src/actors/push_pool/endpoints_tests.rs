@@ -43,7 +43,12 @@ fn the_pause_starts_at_the_minimum_and_doubles_up_to_the_cap() {
         assert_eq!(health.admit_at(now + pause - MS), Err(now + pause));
         // ...and exactly then.
         now += pause;
-        assert_eq!(health.admit_at(now), Ok(()), "probe after {} failures", k + 1);
+        assert_eq!(
+            health.admit_at(now),
+            Ok(()),
+            "probe after {} failures",
+            k + 1
+        );
     }
 }
 
@@ -158,7 +163,13 @@ fn failure_lines_are_throttled_and_count_what_they_skipped() {
     for i in 1..=9 {
         assert_eq!(health.record_at(false, start + i * 100 * MS), None);
     }
-    assert_eq!(health.record_at(false, start + super::FAILURE_LOG_INTERVAL), Some(9));
+    assert_eq!(
+        health.record_at(false, start + super::FAILURE_LOG_INTERVAL),
+        Some(9)
+    );
     // A success logs no failure line and keeps the throttle.
-    assert_eq!(health.record_at(true, start + super::FAILURE_LOG_INTERVAL), None);
+    assert_eq!(
+        health.record_at(true, start + super::FAILURE_LOG_INTERVAL),
+        None
+    );
 }

@@ -1018,6 +1018,14 @@ async fn failures_are_dead_lettered_or_discarded(store: Store) {
     assert_eq!(status_of(&store, "dead").await, ActivationStatus::Complete);
 }
 
+/// One publisher's take of up to 25 Retry rows.
+async fn take_retries(store: Store) -> Vec<String> {
+    ids(&store
+        .take_for_publish(PublishKind::Retry, 25, LEASE)
+        .await
+        .expect("take"))
+}
+
 async fn concurrent_publish_takers_never_share_rows(store: Store) {
     const ROWS: usize = 500;
     let batch: Vec<_> = rows("pub", ROWS)
@@ -1025,14 +1033,7 @@ async fn concurrent_publish_takers_never_share_rows(store: Store) {
         .map(|row| with_status(row, ActivationStatus::Retry))
         .collect();
     insert(store.as_ref(), &batch).await;
-    let all = take_concurrently(&store, 8, |store| async move {
-        let taken = store
-            .take_for_publish(PublishKind::Retry, 25, LEASE)
-            .await
-            .expect("take");
-        ids(&taken)
-    })
-    .await;
+    let all = take_concurrently(&store, 8, take_retries).await;
     let distinct: HashSet<&String> = all.iter().collect();
     assert_eq!(all.len(), ROWS);
     assert_eq!(distinct.len(), ROWS);

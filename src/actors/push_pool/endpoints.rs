@@ -2,7 +2,9 @@
 //! preferring endpoints not backing off), and each endpoint's health: an
 //! exponential backoff after failures, one probe at a time while it lasts,
 //! and throttled failure logs. The push pool asks here where to push and
-//! reports every push's outcome back.
+//! reports every push's outcome back. The backoff's rules live in `Health`
+//! as a state machine over explicit instants, so `endpoints_tests.rs`
+//! checks them without a clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -53,8 +53,6 @@ fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &
         )
         .env("TASKBROKER_UPKEEP_INTERVAL_MS", "100")
         .env("TASKBROKER_RESTART_GRACE_SEC", "0")
-        .env("TASKBROKER_LOG", "warn")
-        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the broker binary")

@@ -562,11 +562,12 @@ async fn all_workers_down_mid_run_then_back() {
         .filter(|r| r.deliveries > 0 && r.completions == 0)
         .count() as u32;
     let failed_before = Metrics::count(&metrics.pushes, "error");
-    // Two seconds of outage, measured by the broker's own failed pushes
-    // (the bound leaves room for a loaded CI machine; a loop without backoff
-    // makes thousands):
-    // the endpoints back off (at most one probe per 500 ms each), so the
-    // failures stay few instead of one per claimed task.
+    // Two seconds of outage. How many failed pushes the endpoints' backoff
+    // allows in it (one probe per pause per endpoint, not one per claimed
+    // task) is pinned without a clock by the unit test
+    // `a_burst_for_a_down_endpoint_gets_one_probe_per_pause` in
+    // src/actors/push_pool/endpoints_tests.rs; here the outage is only
+    // noticed and outlasted.
     wait_until(
         "the broker notices the workers are gone",
         Duration::from_secs(10),
@@ -574,11 +575,6 @@ async fn all_workers_down_mid_run_then_back() {
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await; // the outage itself
-    let failed_during = Metrics::count(&metrics.pushes, "error") - failed_before;
-    assert!(
-        failed_during <= 120,
-        "{failed_during} failed pushes in a 2 s outage: the endpoints do not back off"
-    );
     for worker in &mut matrix.workers {
         worker.restart().expect("worker back on its port");
     }

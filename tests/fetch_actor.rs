@@ -70,10 +70,13 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     )
     .start();
 
-    common::wait_until("the submit times out on the stuck pool", WAIT, || {
-        let timeouts = Metrics::count(&metrics.submits, "timeout");
-        async move { timeouts > 0 }
-    })
+    common::wait_for_count(
+        "the submit times out on the stuck pool",
+        WAIT,
+        &metrics.submits,
+        "timeout",
+        1,
+    )
     .await;
     // The release runs before the iteration ends; once the actor answers a
     // message sent after the timeout, it is done.

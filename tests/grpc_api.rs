@@ -86,6 +86,15 @@ impl Api {
             .expect("connect to the broker")
     }
 
+    /// A GetTask on a new connection that the broker refuses.
+    async fn get_task_error(&self) -> tonic::Status {
+        self.client()
+            .await
+            .get_task(GetTaskRequest::default())
+            .await
+            .expect_err("GetTask is refused")
+    }
+
     async fn status(&self, id: &str) -> Option<ActivationStatus> {
         self.store.get(id).await.unwrap().map(|row| row.status)
     }
@@ -120,12 +129,7 @@ on_both_backends!(
 #[actix_rt::test]
 async fn get_task_in_push_mode_is_permission_denied() {
     let api = Api::start(DeliveryMode::Push, vec![]).await;
-    let err = api
-        .client()
-        .await
-        .get_task(GetTaskRequest::default())
-        .await
-        .unwrap_err();
+    let err = api.get_task_error().await;
     assert_eq!(err.code(), Code::PermissionDenied);
 }
 
@@ -601,11 +605,6 @@ async fn undecodable_requests_are_invalid_argument() {
         assert_eq!(status.as_deref(), Some("3"), "{what}: INVALID_ARGUMENT");
     }
     // The server is still serving.
-    let err = api
-        .client()
-        .await
-        .get_task(GetTaskRequest::default())
-        .await
-        .unwrap_err();
+    let err = api.get_task_error().await;
     assert_eq!(err.code(), Code::NotFound);
 }

@@ -10,10 +10,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use common::kafka::{MockKafka, payload};
 use common::worker::{FakeWorker, Mode};
-use common::{Backend, TestStore, wait_until};
+use common::{Backend, TestStore, wait_for_count, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
-use taskbroker::actors::StoreHandle;
 use taskbroker::actors::consumer::{
     ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
     dead_letter_cut,
@@ -25,19 +24,23 @@ use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
-use taskbroker::store::{
-    ActivationStatus, ActivationStore, PullFilter, StatusUpdate, WorkerStatus,
-};
+use taskbroker::store::{ActivationStatus, PullFilter, StatusUpdate, WorkerStatus};
 
 const TOPIC: &str = "tasks";
 const INGEST_DLQ: &str = "ingest-dlq";
 const PARTITIONS: i32 = 4;
 
 struct Harness {
-    db: TestStore,
+    base: common::StoreFixture,
     kafka: MockKafka,
-    store: Arc<dyn ActivationStore>,
-    store_actor: StoreHandle,
+}
+
+impl std::ops::Deref for Harness {
+    type Target = common::StoreFixture;
+
+    fn deref(&self) -> &common::StoreFixture {
+        &self.base
+    }
 }
 
 impl Harness {
@@ -46,18 +49,11 @@ impl Harness {
     }
 
     async fn on(backend: Backend) -> Harness {
-        let db = TestStore::new(backend).await;
-        let store = db.store().await;
-        let store_actor = common::start_store_actor(store.clone(), Arc::new(Metrics::new()));
+        let base = common::StoreFixture::on(backend).await;
         let kafka = MockKafka::start();
         kafka.create_topic(TOPIC, PARTITIONS);
         kafka.create_topic(INGEST_DLQ, 1);
-        Harness {
-            db,
-            kafka,
-            store,
-            store_actor,
-        }
+        Harness { base, kafka }
     }
 
     fn consumer_config(&self) -> ConsumerConfig {
@@ -80,6 +76,39 @@ impl Harness {
         self.store.count_by_status().await.expect("count").total()
     }
 
+    /// Deletes `step` rows whenever the consumer behind `metrics` has
+    /// paused, as workers would, until it has stored `records`; the store
+    /// never holds more than `limit` rows meanwhile. Returns the most seen.
+    async fn drain_until_stored(
+        &self,
+        metrics: &Metrics,
+        records: u64,
+        limit: u64,
+        step: usize,
+    ) -> u64 {
+        let client = self.db.client().await;
+        let drain = format!(
+            "DELETE FROM inflight_taskactivations WHERE id IN \
+             (SELECT id FROM inflight_taskactivations LIMIT {step})"
+        );
+        let mut peak = 0;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while Metrics::count(&metrics.consumer_records, "stored") < records {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "consumption did not resume"
+            );
+            let total = self.total().await;
+            peak = peak.max(total);
+            assert!(total <= limit, "{total} rows in the store, limit {limit}");
+            if metrics.partitions_paused.get() > 0 {
+                client.execute(&drain, &[]).await.expect("drain rows");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        peak
+    }
+
     async fn wait_for_total(&self, n: u64) {
         wait_until(
             &format!("{n} rows are stored"),
@@ -88,6 +117,19 @@ impl Harness {
         )
         .await;
     }
+}
+
+/// Waits until the consumer behind `metrics` has paused every partition.
+async fn wait_until_paused(metrics: &Metrics) {
+    wait_until(
+        "the consumer pauses its partitions",
+        Duration::from_secs(30),
+        || {
+            let paused = metrics.partitions_paused.get();
+            async move { paused == i64::from(PARTITIONS) }
+        },
+    )
+    .await;
 }
 
 fn activation(id: String) -> TaskActivation {
@@ -304,41 +346,12 @@ async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
         .await;
     let (_consumer, metrics) = harness.consume(config);
 
-    let paused = Arc::clone(&metrics);
-    wait_until(
-        "the consumer pauses its partitions",
-        Duration::from_secs(30),
-        || {
-            let paused = paused.partitions_paused.get();
-            async move { paused == i64::from(PARTITIONS) }
-        },
-    )
-    .await;
+    wait_until_paused(&metrics).await;
     // Drain in steps, as workers would, until every record was stored once;
     // the store never holds more than the limit plus one batch.
-    let mut peak = 0;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while Metrics::count(&metrics.consumer_records, "stored") < 3_000 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "consumption did not resume"
-        );
-        let total = harness.total().await;
-        peak = peak.max(total);
-        assert!(total <= limit, "{total} rows in the store, limit {limit}");
-        if metrics.partitions_paused.get() > 0 {
-            let client = harness.db.client().await;
-            client
-                .execute(
-                    "DELETE FROM inflight_taskactivations WHERE id IN \
-                     (SELECT id FROM inflight_taskactivations LIMIT 300)",
-                    &[],
-                )
-                .await
-                .expect("drain rows");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let peak = harness
+        .drain_until_stored(&metrics, 3_000, limit, 300)
+        .await;
     assert!(peak >= 1_000, "the limit was reached ({peak})");
     assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
 }
@@ -569,13 +582,12 @@ async fn consumers_joining_and_leaving_the_group_store_each_record_once() {
         ("heartbeat.interval.ms".to_owned(), "500".to_owned()),
     ];
     let (first, first_metrics) = harness.consume(config.clone());
-    wait_until(
+    wait_for_count(
         "the first consumer stores records",
         Duration::from_secs(30),
-        || {
-            let stored = Metrics::count(&first_metrics.consumer_records, "stored");
-            async move { stored > 0 }
-        },
+        &first_metrics.consumer_records,
+        "stored",
+        1,
     )
     .await;
     // A second member joins: partitions are split (a rebalance mid-stream).
@@ -645,12 +657,7 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
         .produce(TOPIC, &valid_payloads("idle", 1_000))
         .await;
     let (_consumer, metrics) = harness.consume(config);
-    let paused = Arc::clone(&metrics);
-    wait_until("the consumer pauses", Duration::from_secs(30), || {
-        let paused = paused.partitions_paused.get();
-        async move { paused == i64::from(PARTITIONS) }
-    })
-    .await;
+    wait_until_paused(&metrics).await;
     // Stay paused for twice max.poll.interval.ms, watching the assignment.
     let until = tokio::time::Instant::now() + Duration::from_secs(6);
     while tokio::time::Instant::now() < until {
@@ -984,16 +991,7 @@ async fn a_consumer_started_on_a_full_store_inserts_nothing_until_it_drains() {
         .produce(TOPIC, &valid_payloads("new", 300))
         .await;
     let (_consumer, metrics) = harness.consume(config);
-    let paused = Arc::clone(&metrics);
-    wait_until(
-        "the consumer pauses its partitions",
-        Duration::from_secs(30),
-        || {
-            let paused = paused.partitions_paused.get();
-            async move { paused == i64::from(PARTITIONS) }
-        },
-    )
-    .await;
+    wait_until_paused(&metrics).await;
     assert_eq!(
         harness.total().await,
         500,
@@ -1001,27 +999,7 @@ async fn a_consumer_started_on_a_full_store_inserts_nothing_until_it_drains() {
     );
     assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 0);
 
-    let client = harness.db.client().await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while Metrics::count(&metrics.consumer_records, "stored") < 300 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "consumption did not resume"
-        );
-        let total = harness.total().await;
-        assert!(total <= limit, "{total} rows in the store, limit {limit}");
-        if metrics.partitions_paused.get() > 0 {
-            client
-                .execute(
-                    "DELETE FROM inflight_taskactivations WHERE id IN \
-                     (SELECT id FROM inflight_taskactivations LIMIT 100)",
-                    &[],
-                )
-                .await
-                .expect("drain rows");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    harness.drain_until_stored(&metrics, 300, limit, 100).await;
 }
 
 /// A batch read before a rebalance and written after it commits no offset

@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::worker::{DemoWorker, FakeWorker, Mode};
-use common::{Backend, TestStore, rows, wait_until};
-use taskbroker::actors::StoreHandle;
+use common::{Backend, rows, wait_for_count, wait_until};
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, PushPoolConfig, StopPushPool};
 use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
@@ -33,11 +32,14 @@ on_both_backends!(
 /// Margin the derived lease adds for the mark-processing write.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
-struct Harness {
-    db: TestStore,
-    store: Arc<dyn ActivationStore>,
-    store_actor: StoreHandle,
-    metrics: Arc<Metrics>,
+struct Harness(common::StoreFixture);
+
+impl std::ops::Deref for Harness {
+    type Target = common::StoreFixture;
+
+    fn deref(&self) -> &common::StoreFixture {
+        &self.0
+    }
 }
 
 impl Harness {
@@ -46,16 +48,7 @@ impl Harness {
     }
 
     async fn on(backend: Backend) -> Harness {
-        let db = TestStore::new(backend).await;
-        let store = db.store().await;
-        let metrics = Arc::new(Metrics::new());
-        let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
-        Harness {
-            db,
-            store,
-            store_actor,
-            metrics,
-        }
+        Harness(common::StoreFixture::on(backend).await)
     }
 
     async fn insert(&self, prefix: &str, n: usize) -> Vec<String> {
@@ -347,10 +340,12 @@ async fn bench_switch_leaves_unsubmitted_claims_to_their_lease() {
     harness.insert("strand", 16).await;
     let pipeline = harness.start(config);
 
-    wait_until(
+    wait_for_count(
         "a submit times out on the full pool",
         Duration::from_secs(20),
-        || async { Metrics::count(&harness.metrics.submits, "timeout") > 0 },
+        &harness.metrics.submits,
+        "timeout",
+        1,
     )
     .await;
     // A push hangs in the slot and one or two wait in the pool; the rest of
@@ -418,13 +413,12 @@ async fn closed_push_pool_releases_the_unsent_batch_and_stops_fetching() {
     let pipeline = harness.start(config);
 
     let metrics = Arc::clone(&harness.metrics);
-    wait_until(
+    wait_for_count(
         "the fetch actor finds the pool full",
         Duration::from_secs(10),
-        || {
-            let full = Metrics::count(&metrics.submits, "full");
-            async move { full > 0 }
-        },
+        &metrics.submits,
+        "full",
+        1,
     )
     .await;
     pipeline.push_pool.do_send(StopPushPool);
@@ -507,14 +501,12 @@ async fn busy_workers_are_retried_without_consuming_attempts() {
     let worker = FakeWorker::start(Mode::Busy).await;
     harness.insert("busy", 50).await;
     let pipeline = harness.start(config(&[&worker]));
-    let metrics = Arc::clone(&harness.metrics);
-    wait_until(
+    wait_for_count(
         "pushes are refused as busy",
         Duration::from_secs(10),
-        || {
-            let busy = Metrics::count(&metrics.pushes, "busy");
-            async move { busy > 0 }
-        },
+        &harness.metrics.pushes,
+        "busy",
+        1,
     )
     .await;
     worker.set_mode(Mode::accept());
@@ -621,11 +613,13 @@ async fn pushes_with_the_wrong_secret_are_refused_by_the_worker() {
     config.push.signing_secret = Some("wrong".to_owned());
     harness.insert("unsigned", 5).await;
     let pipeline = harness.start(config);
-    let metrics = Arc::clone(&harness.metrics);
-    wait_until("pushes fail", Duration::from_secs(10), || {
-        let errors = Metrics::count(&metrics.pushes, "error");
-        async move { errors >= 5 }
-    })
+    wait_for_count(
+        "pushes fail",
+        Duration::from_secs(10),
+        &harness.metrics.pushes,
+        "error",
+        5,
+    )
     .await;
     pipeline.stop().await;
     assert_eq!(verifying.seen.attempts(), 0, "the handler never saw them");
@@ -734,10 +728,12 @@ async fn saturating_fetch_actors_never_overfill_the_push_pool_mailbox() {
     harness.insert("flood", 200).await;
     let pipeline = harness.start(config);
 
-    wait_until(
+    wait_for_count(
         "the fetch actors have found the pool full many times over",
         Duration::from_secs(60),
-        || async { Metrics::count(&harness.metrics.submits, "timeout") >= 40 },
+        &harness.metrics.submits,
+        "timeout",
+        40,
     )
     .await;
     let accepted = Metrics::count(&harness.metrics.submits, "ok");

@@ -144,12 +144,11 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
     .await;
     pipeline.stop().await;
 
-    // An unthrottled loop makes thousands of connection attempts in 3 s;
-    // with the backoff it is the first burst plus about two probes a second.
-    assert!(
-        attempts_while_down <= 32 + 3 * 4,
-        "{attempts_while_down} push attempts to a dead worker in 3 s"
-    );
+    // How many attempts a dead worker gets (the first burst, then one probe
+    // per backoff pause) is pinned without a clock by the unit test
+    // `a_burst_for_a_down_endpoint_gets_one_probe_per_pause` in
+    // src/actors/push_pool/endpoints_tests.rs; here only that the pool kept
+    // trying.
     assert!(attempts_while_down > 0);
     let text = logs.text();
     assert!(!text.contains("hunter2"), "credentials logged: {text}");

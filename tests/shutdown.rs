@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::kafka::MockKafka;
@@ -38,8 +38,6 @@ async fn sigterm_with_load_in_flight_stops_cleanly() {
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
         .env("TASKBROKER_PUSH_CONCURRENCY", "8")
         .env("TASKBROKER_SHUTDOWN_TIMEOUT_MS", "20000")
-        .env("TASKBROKER_LOG", "warn")
-        .stdout(Stdio::null())
         .spawn()
         .expect("start the broker binary");
     let _leftover = KillOnDrop(vec![broker.id()]);
@@ -169,8 +167,6 @@ async fn sigterm_with_a_hung_worker_exits_within_one_push_timeout(backend: Backe
         .env("TASKBROKER_PUSH_QUEUE_SIZE", "1")
         .env("TASKBROKER_FETCH_BATCH_SIZE", "10")
         .env("TASKBROKER_SHUTDOWN_TIMEOUT_MS", "20000")
-        .env("TASKBROKER_LOG", "warn")
-        .stdout(Stdio::null())
         .spawn()
         .expect("start the broker binary");
     let _leftover = KillOnDrop(vec![broker.id()]);

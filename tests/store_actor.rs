@@ -152,21 +152,10 @@ struct AllowConnectionsOnDrop {
 
 impl Drop for AllowConnectionsOnDrop {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        // Drop runs inside the test's runtime: use a thread with its own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("cleanup runtime");
-            runtime.block_on(async {
-                let admin = common::connect(&common::admin_url()).await;
-                let _ = admin
-                    .batch_execute(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
-                    .await;
-            });
-        })
-        .join();
+        common::admin_execute_from_drop(format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+            self.name
+        ));
     }
 }
 

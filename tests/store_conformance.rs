@@ -145,6 +145,34 @@ async fn processing(store: &Store, prefix: &str, n: usize) -> Vec<String> {
     ids(&claimed)
 }
 
+/// Runs `tasks` takers at once, each calling `take` until it gets nothing
+/// back; returns every id any of them got, in no particular order.
+async fn take_concurrently<F, Fut>(store: &Store, tasks: usize, take: F) -> Vec<String>
+where
+    F: Fn(Store) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Vec<String>> + Send,
+{
+    let mut takers = Vec::new();
+    for _ in 0..tasks {
+        let (store, take) = (Arc::clone(store), take.clone());
+        takers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let got = take(Arc::clone(&store)).await;
+                if got.is_empty() {
+                    return mine;
+                }
+                mine.extend(got);
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for taker in takers {
+        all.extend(taker.await.unwrap());
+    }
+    all
+}
+
 fn with_status(mut row: InflightActivation, status: ActivationStatus) -> InflightActivation {
     row.status = status;
     row
@@ -325,27 +353,14 @@ async fn concurrent_claims_hand_out_distinct_ids(store: Store) {
     for chunk in rows("c", ROWS).chunks(500) {
         insert(store.as_ref(), chunk).await;
     }
-    let mut claimers = Vec::new();
-    for _ in 0..16 {
-        let store = Arc::clone(&store);
-        claimers.push(tokio::spawn(async move {
-            let mut mine = Vec::new();
-            loop {
-                let claimed = store
-                    .claim_for_push(BucketRange::ALL, 16, LEASE)
-                    .await
-                    .expect("claim");
-                if claimed.is_empty() {
-                    return mine;
-                }
-                mine.extend(ids(&claimed));
-            }
-        }));
-    }
-    let mut all = Vec::new();
-    for claimer in claimers {
-        all.extend(claimer.await.unwrap());
-    }
+    let all = take_concurrently(&store, 16, |store| async move {
+        let claimed = store
+            .claim_for_push(BucketRange::ALL, 16, LEASE)
+            .await
+            .expect("claim");
+        ids(&claimed)
+    })
+    .await;
     let distinct: HashSet<&String> = all.iter().collect();
     assert_eq!(all.len(), ROWS, "every row claimed once");
     assert_eq!(distinct.len(), ROWS, "no row claimed twice");
@@ -1003,6 +1018,14 @@ async fn failures_are_dead_lettered_or_discarded(store: Store) {
     assert_eq!(status_of(&store, "dead").await, ActivationStatus::Complete);
 }
 
+/// One publisher's take of up to 25 Retry rows.
+async fn take_retries(store: Store) -> Vec<String> {
+    ids(&store
+        .take_for_publish(PublishKind::Retry, 25, LEASE)
+        .await
+        .expect("take"))
+}
+
 async fn concurrent_publish_takers_never_share_rows(store: Store) {
     const ROWS: usize = 500;
     let batch: Vec<_> = rows("pub", ROWS)
@@ -1010,27 +1033,7 @@ async fn concurrent_publish_takers_never_share_rows(store: Store) {
         .map(|row| with_status(row, ActivationStatus::Retry))
         .collect();
     insert(store.as_ref(), &batch).await;
-    let mut takers = Vec::new();
-    for _ in 0..8 {
-        let store = Arc::clone(&store);
-        takers.push(tokio::spawn(async move {
-            let mut mine = Vec::new();
-            loop {
-                let taken = store
-                    .take_for_publish(PublishKind::Retry, 25, LEASE)
-                    .await
-                    .expect("take");
-                if taken.is_empty() {
-                    return mine;
-                }
-                mine.extend(ids(&taken));
-            }
-        }));
-    }
-    let mut all = Vec::new();
-    for taker in takers {
-        all.extend(taker.await.unwrap());
-    }
+    let all = take_concurrently(&store, 8, take_retries).await;
     let distinct: HashSet<&String> = all.iter().collect();
     assert_eq!(all.len(), ROWS);
     assert_eq!(distinct.len(), ROWS);

@@ -16,14 +16,13 @@ use common::kafka::{MockKafka, payload};
 use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
-use taskbroker::actors::StoreHandle;
 use taskbroker::actors::consumer::ConsumerActor;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, InflightActivation, OnAttemptsExceeded,
-    PostgresStore, PullFilter, StatusUpdate, WorkerStatus,
+    ActivationStatus, BucketRange, InflightActivation, OnAttemptsExceeded, PostgresStore,
+    PullFilter, StatusUpdate, WorkerStatus,
 };
 
 const RETRY_TOPIC: &str = "upkeep-retries";
@@ -36,11 +35,16 @@ const WAIT: Duration = Duration::from_secs(10);
 const MANUAL: Duration = Duration::from_secs(3600);
 
 struct Harness {
-    db: TestStore,
+    base: common::StoreFixture,
     kafka: MockKafka,
-    store: Arc<dyn ActivationStore>,
-    store_actor: StoreHandle,
-    metrics: Arc<Metrics>,
+}
+
+impl std::ops::Deref for Harness {
+    type Target = common::StoreFixture;
+
+    fn deref(&self) -> &common::StoreFixture {
+        &self.base
+    }
 }
 
 impl Harness {
@@ -49,20 +53,11 @@ impl Harness {
     }
 
     async fn on(backend: Backend) -> Harness {
-        let db = TestStore::new(backend).await;
-        let store = db.store().await;
-        let metrics = Arc::new(Metrics::new());
-        let store_actor = start_store_actor(store.clone(), Arc::clone(&metrics));
+        let base = common::StoreFixture::on(backend).await;
         let kafka = MockKafka::start();
         kafka.create_topic(RETRY_TOPIC, 1);
         kafka.create_topic(DLQ_TOPIC, 1);
-        Harness {
-            db,
-            kafka,
-            store,
-            store_actor,
-            metrics,
-        }
+        Harness { base, kafka }
     }
 
     fn config(&self) -> UpkeepConfig {

@@ -60,23 +60,28 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        // Drop runs inside the test's runtime, which cannot be blocked on:
-        // do the cleanup on a thread with a runtime of its own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("cleanup runtime");
-            runtime.block_on(async {
-                let admin = admin_client().await;
-                let _ = admin
-                    .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .await;
-            });
-        })
-        .join();
+        admin_execute_from_drop(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ));
     }
+}
+
+/// Runs `sql` on the admin database, ignoring failure, from a `Drop` that
+/// runs inside the test's runtime, which cannot be blocked on: on a thread
+/// with a runtime of its own.
+pub fn admin_execute_from_drop(sql: String) {
+    let _ = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("cleanup runtime");
+        runtime.block_on(async {
+            let admin = admin_client().await;
+            let _ = admin.batch_execute(&sql).await;
+        });
+    })
+    .join();
 }
 
 /// A SQLite database file of one test's own, removed (with its WAL and
@@ -470,6 +475,22 @@ where
     }
 }
 
+/// Waits until `counter{label}` has counted at least `at_least`, failing the
+/// test after `limit`.
+pub async fn wait_for_count(
+    what: &str,
+    limit: std::time::Duration,
+    counter: &prometheus::IntCounterVec,
+    label: &str,
+    at_least: u64,
+) {
+    wait_until(what, limit, || {
+        let counted = counter.with_label_values(&[label]).get();
+        async move { counted >= at_least }
+    })
+    .await;
+}
+
 /// GET `path` from an HTTP/1 server at `addr`: (status, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
@@ -489,6 +510,31 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .expect("body")
         .to_bytes();
     (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A store of one test's own, its StoreActor (on an arbiter of its own) and
+/// the metrics that actor counts in: the setup the actor tests' harnesses
+/// share. They wrap it and reach its fields through `Deref`.
+pub struct StoreFixture {
+    pub db: TestStore,
+    pub store: Arc<dyn ActivationStore>,
+    pub store_actor: taskbroker::actors::StoreHandle,
+    pub metrics: Arc<taskbroker::metrics::Metrics>,
+}
+
+impl StoreFixture {
+    pub async fn on(backend: Backend) -> StoreFixture {
+        let db = TestStore::new(backend).await;
+        let store = db.store().await;
+        let metrics = Arc::new(taskbroker::metrics::Metrics::new());
+        let store_actor = start_store_actor(store.clone(), Arc::clone(&metrics));
+        StoreFixture {
+            db,
+            store,
+            store_actor,
+            metrics,
+        }
+    }
 }
 
 /// A StoreActor on an Arbiter (thread) of its own, as the broker runs it.

@@ -2,7 +2,9 @@
 //! preferring endpoints not backing off), and each endpoint's health: an
 //! exponential backoff after failures, one probe at a time while it lasts,
 //! and throttled failure logs. The push pool asks here where to push and
-//! reports every push's outcome back.
+//! reports every push's outcome back. The backoff's rules live in `Health`
+//! as a state machine over explicit instants, so `endpoints_tests.rs`
+//! checks them without a clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -123,17 +125,8 @@ impl WorkerEndpoint {
     /// up at `deadline`.
     pub(super) async fn admit(&self, deadline: Instant) -> Result<(), ()> {
         loop {
-            let wait_until = {
-                let mut health = self.health();
-                match health.retry_at {
-                    None => return Ok(()),
-                    Some(at) if !health.probing && Instant::now() >= at => {
-                        health.probing = true;
-                        return Ok(());
-                    }
-                    Some(_) if health.probing => Instant::now() + MIN_ENDPOINT_BACKOFF,
-                    Some(at) => at,
-                }
+            let Err(wait_until) = self.health().admit_at(Instant::now()) else {
+                return Ok(());
             };
             if wait_until >= deadline {
                 tokio::time::sleep_until(deadline).await;
@@ -145,38 +138,71 @@ impl WorkerEndpoint {
 
     pub(super) fn record(&self, outcome: &PushOutcome) {
         let mut health = self.health();
-        health.probing = false;
-        if outcome.endpoint_healthy() {
-            if health.consecutive_failures > 0 {
+        let recovered = outcome.endpoint_healthy() && health.consecutive_failures > 0;
+        let Some(unlogged) = health.record_at(outcome.endpoint_healthy(), Instant::now()) else {
+            if recovered {
                 tracing::info!(endpoint = %self.url, "worker endpoint recovered");
             }
-            health.consecutive_failures = 0;
-            health.retry_at = None;
             return;
+        };
+        let detail = outcome.detail();
+        tracing::warn!(
+            endpoint = %self.url,
+            result = outcome.label(),
+            detail,
+            failures_since_last_log = unlogged,
+            "push to worker failed; backing off"
+        );
+    }
+}
+
+/// The endpoint's backoff as a state machine over explicit instants (the
+/// callers pass tokio's clock), so its rules are tested without waiting.
+impl Health {
+    /// `Ok` admits a push now (marking it the probe while backing off);
+    /// `Err(at)` says when to ask again.
+    fn admit_at(&mut self, now: Instant) -> Result<(), Instant> {
+        match self.retry_at {
+            None => Ok(()),
+            Some(at) if !self.probing && now >= at => {
+                self.probing = true;
+                Ok(())
+            }
+            Some(_) if self.probing => Err(now + MIN_ENDPOINT_BACKOFF),
+            Some(at) => Err(at),
         }
-        health.consecutive_failures = health.consecutive_failures.saturating_add(1);
-        let exponent = health.consecutive_failures.saturating_sub(1).min(16);
+    }
+
+    /// Records a push's outcome at `now`: success resets the backoff, a
+    /// failure doubles it (from [`MIN_ENDPOINT_BACKOFF`] up to
+    /// [`MAX_ENDPOINT_BACKOFF`]). Returns, when a failure line is due, how
+    /// many failures went unlogged before it.
+    fn record_at(&mut self, healthy: bool, now: Instant) -> Option<u64> {
+        self.probing = false;
+        if healthy {
+            self.consecutive_failures = 0;
+            self.retry_at = None;
+            return None;
+        }
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        let exponent = self.consecutive_failures.saturating_sub(1).min(16);
         let backoff = MIN_ENDPOINT_BACKOFF
             .saturating_mul(1 << exponent)
             .min(MAX_ENDPOINT_BACKOFF);
-        let now = Instant::now();
-        health.retry_at = Some(now + backoff);
-        let log_now = health
+        self.retry_at = Some(now + backoff);
+        let log_now = self
             .last_logged
             .is_none_or(|at| now.duration_since(at) >= FAILURE_LOG_INTERVAL);
         if log_now {
-            let detail = outcome.detail();
-            tracing::warn!(
-                endpoint = %self.url,
-                result = outcome.label(),
-                detail,
-                failures_since_last_log = health.unlogged_failures,
-                "push to worker failed; backing off"
-            );
-            health.last_logged = Some(now);
-            health.unlogged_failures = 0;
+            self.last_logged = Some(now);
+            Some(std::mem::take(&mut self.unlogged_failures))
         } else {
-            health.unlogged_failures += 1;
+            self.unlogged_failures += 1;
+            None
         }
     }
 }
+
+#[cfg(test)]
+#[path = "endpoints_tests.rs"]
+mod tests;

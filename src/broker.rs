@@ -437,7 +437,11 @@ async fn report_health(
         let healthy = health.failure().is_none()
             && !health.is_stopping()
             && health.since_upkeep_progress() < upkeep_stall
-            && crate::http::store_answers(&store).await.is_ok();
+            && tokio::select! {
+                // A failure does not wait for a slow ping.
+                answered = crate::http::store_answers(&store) => answered.is_ok(),
+                _ = health.failed() => false,
+            };
         if healthy {
             reporter.set_serving::<Api>().await;
         } else {

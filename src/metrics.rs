@@ -188,7 +188,8 @@ pub mod labels {
         ("any", "missing"),
         ("any", "late"),
     ];
-    /// The `operation` of the store metrics (StoreActor messages).
+    /// The `operation` of the store metrics: the operations the StoreActor
+    /// runs (each message's `OPERATION`; a test keeps the two lists equal).
     pub const STORE_OPERATIONS: &[&str] = &[
         "insert_batch",
         "claim_for_push",
@@ -198,7 +199,6 @@ pub mod labels {
         "mark_processing",
         "fail_claim_attempt",
         "set_status",
-        "delete_batch",
         "release_expired_claims",
         "handle_processing_deadlines",
         "fail_exhausted_attempts",
@@ -210,7 +210,7 @@ pub mod labels {
         "remove_completed",
         "count_by_status",
         "max_pending_lag",
-        "get",
+        "ping",
         "fail_claims",
         "defer_claims",
     ];

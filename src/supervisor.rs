@@ -23,7 +23,7 @@
 //! A leaf apart from actix and tokio: actors report into it, the broker and
 //! the endpoints read it.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,8 +43,6 @@ struct Inner {
     failure: watch::Sender<Option<String>>,
     /// When the last upkeep cycle completed (the broker's start before one).
     upkeep_progress: Mutex<Instant>,
-    /// Partitions assigned to this broker's Kafka consumer.
-    assigned_partitions: AtomicUsize,
     /// Whether the consumer has had an assignment (possibly empty) since
     /// it joined its group.
     joined: AtomicBool,
@@ -73,7 +71,6 @@ impl Health {
                 stopping: AtomicBool::new(false),
                 failure: watch::channel(None).0,
                 upkeep_progress: Mutex::new(Instant::now()),
-                assigned_partitions: AtomicUsize::new(0),
                 joined: AtomicBool::new(false),
             }),
         }
@@ -137,13 +134,9 @@ impl Health {
             .unwrap_or_default()
     }
 
-    /// The consumer's assignment changed: it now holds `partitions`
-    /// partitions (zero is a valid assignment: more replicas than
-    /// partitions).
-    pub fn set_assignment(&self, partitions: usize) {
-        self.inner
-            .assigned_partitions
-            .store(partitions, Ordering::SeqCst);
+    /// The consumer received an assignment (an empty one counts: more
+    /// replicas than partitions).
+    pub fn consumer_assigned(&self) {
         self.inner.joined.store(true, Ordering::SeqCst);
     }
 

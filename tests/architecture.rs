@@ -128,3 +128,14 @@ fn the_metrics_leaf_names_every_status_as_the_model_does() {
         .collect();
     assert_eq!(names, taskbroker::metrics::labels::ACTIVATION_STATUSES);
 }
+
+#[test]
+fn the_store_metrics_label_exactly_the_operations_the_store_actor_runs() {
+    // Pre-created series for an operation nothing runs would stay at zero
+    // forever; an operation without one would appear only once it ran.
+    let mut actor: Vec<&str> = taskbroker::actors::store::OPERATIONS.to_vec();
+    let mut labels: Vec<&str> = taskbroker::metrics::labels::STORE_OPERATIONS.to_vec();
+    actor.sort_unstable();
+    labels.sort_unstable();
+    assert_eq!(actor, labels);
+}

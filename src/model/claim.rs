@@ -25,15 +25,6 @@ pub struct ClaimedActivation {
     pub token: ClaimToken,
 }
 
-impl ClaimedActivation {
-    /// A claimed row as a store read it back: `None` when the row carries no
-    /// claim expiry, which a claim statement never returns.
-    pub fn from_row(activation: InflightActivation) -> Option<ClaimedActivation> {
-        let token = activation.claim_token()?;
-        Some(ClaimedActivation { activation, token })
-    }
-}
-
 impl AsRef<InflightActivation> for ClaimedActivation {
     fn as_ref(&self) -> &InflightActivation {
         &self.activation

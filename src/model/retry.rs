@@ -228,8 +228,16 @@ mod tests {
                 delay_on_retry: Some(u64::MAX),
             },
         ] {
+            // The removed rewrite, spelled out: named fields replaced, the
+            // rest kept.
             let mut rewritten = TaskActivation::decode(stored.as_slice()).unwrap();
-            edit.apply(rewritten.retry_state.get_or_insert_with(Default::default));
+            let state = rewritten.retry_state.get_or_insert_with(Default::default);
+            if let Some(max_attempts) = edit.max_attempts {
+                state.max_attempts = max_attempts;
+            }
+            if let Some(delay) = edit.delay_on_retry {
+                state.delay_on_retry = Some(delay);
+            }
             let old = retry_activation(&rewritten.encode_to_vec(), &NO_EDIT, now()).unwrap();
             assert_eq!(retry_activation(&stored, &edit, now()).unwrap(), old);
         }

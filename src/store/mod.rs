@@ -148,13 +148,19 @@ pub(crate) fn claimed_rows(
     // RETURNING has no order; hand them out oldest first.
     rows.sort_by_key(|row| row.added_at);
     rows.into_iter()
-        .map(|row| {
-            let id = row.id.clone();
-            ClaimedActivation::from_row(row).ok_or(StoreError::InvalidRow {
-                id,
+        .map(|row| match row.claim_expires_at {
+            Some(claim_expires_at) => Ok(ClaimedActivation {
+                token: ClaimToken {
+                    id: row.id.clone(),
+                    claim_expires_at,
+                },
+                activation: row,
+            }),
+            None => Err(StoreError::InvalidRow {
+                id: row.id,
                 column: "claim_expires_at",
                 value: "NULL on a claimed row".to_owned(),
-            })
+            }),
         })
         .collect()
 }

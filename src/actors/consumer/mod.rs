@@ -400,11 +400,11 @@ impl ConsumeLoop {
     fn rebalanced(&mut self, event: Rebalanced) {
         let assigned = self.consumer.assignment().map_or(0, |list| list.count());
         self.metrics.partitions_assigned.set(assigned as i64);
-        self.config.health.set_assignment(assigned);
         match event {
             Rebalanced::Assigned => {
                 tracing::info!(partitions = assigned, "Kafka partitions assigned");
                 self.metrics.consumer_assignments.inc();
+                self.config.health.consumer_assigned();
             }
             // Rows already read are still stored (inserts are idempotent);
             // their offsets are left to the partition's next owner.

@@ -43,8 +43,10 @@ impl StoreHandle {
 
     /// Sends `msg` now (it queues behind the messages sent before it) and
     /// resolves with the StoreActor's answer. Not an `async fn` on purpose:
-    /// the message is queued when `call` is called, not when the future is
-    /// first polled, so callers can rely on the order of their calls.
+    /// while the mailbox has room the message is queued when `call` is
+    /// called, not when the future is first polled, so callers' calls keep
+    /// their order. With the mailbox full (`MAILBOX_CAPACITY`), actix holds
+    /// the message in the returned future until it is polled.
     pub fn call<M>(&self, msg: M) -> impl Future<Output = StoreResult<M::Output>> + Send + 'static
     where
         M: StoreMessage,

@@ -111,7 +111,16 @@ macro_rules! store_messages {
                 })
             }
         }
-    )*};
+    )*
+
+        /// Every operation the StoreActor runs and records in the store
+        /// metrics: one per message, and the two combined writes.
+        pub const OPERATIONS: &[&str] = &[
+            $($op,)*
+            <MarkPushed as StoreMessage>::OPERATION,
+            <ReportStatus as StoreMessage>::OPERATION,
+        ];
+    };
 }
 
 store_messages! {

@@ -14,14 +14,13 @@ use taskbroker::config::DeliveryMode;
 use taskbroker::grpc::consumer_service::ConsumerApi;
 use taskbroker::grpc::server::{ServerConfig, serve};
 use taskbroker::metrics::Metrics;
+use taskbroker::model::{ActivationStatus, BucketRange};
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::{
     FetchNextTask, GetTaskRequest, SetBatchActivationStatusRequest, SetTaskStatusRequest,
     TaskActivationStatus,
 };
-use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, PostgresStore, PostgresStoreConfig,
-};
+use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 use taskbroker::wire::signing::{SIGNATURE_METADATA, sign};
 use tonic::Code;
 use tonic::transport::Channel;

@@ -23,8 +23,8 @@ use taskbroker::actors::upkeep::{UpkeepActor, UpkeepConfig};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
+use taskbroker::model::{ActivationStatus, PullFilter, StatusUpdate, WorkerStatus};
 use taskbroker::proto::{RetryState, TaskActivation};
-use taskbroker::store::{ActivationStatus, PullFilter, StatusUpdate, WorkerStatus};
 
 const TOPIC: &str = "tasks";
 const INGEST_DLQ: &str = "ingest-dlq";

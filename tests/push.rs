@@ -19,9 +19,10 @@ use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
+use taskbroker::model::{ActivationStatus, BucketRange, InflightActivation};
 use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
 use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
-use taskbroker::store::{ActivationStatus, ActivationStore, BucketRange, InflightActivation};
+use taskbroker::store::ActivationStore;
 
 on_both_backends!(
     happy_path_pushes_every_activation_exactly_once,
@@ -219,7 +220,7 @@ async fn saturated_pool_releases_each_unsubmitted_batch_in_one_statement(backend
                 age_left > chrono::TimeDelta::from_std(LEASE_MARGIN).unwrap(),
                 "claim {id} outlived its legitimate path of {legitimate:?}"
             );
-            let token = taskbroker::store::ClaimToken {
+            let token = taskbroker::model::ClaimToken {
                 id: id.clone(),
                 claim_expires_at: expires,
             };
@@ -355,7 +356,7 @@ async fn bench_switch_leaves_unsubmitted_claims_to_their_lease() {
     let unheld = claimed
         .iter()
         .filter(|(id, expires)| {
-            !held.contains(&taskbroker::store::ClaimToken {
+            !held.contains(&taskbroker::model::ClaimToken {
                 id: id.clone(),
                 claim_expires_at: *expires,
             })

@@ -14,7 +14,8 @@ use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
-use taskbroker::store::{ActivationStatus, ActivationStore, PostgresStore};
+use taskbroker::model::ActivationStatus;
+use taskbroker::store::{ActivationStore, PostgresStore};
 
 const FAILURE_LOG: &str = "push to worker failed; backing off";
 

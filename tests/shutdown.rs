@@ -117,7 +117,7 @@ async fn sigterm_with_load_in_flight_stops_cleanly() {
         if let Some(row) = row {
             assert_eq!(
                 row.status,
-                taskbroker::store::ActivationStatus::Complete,
+                taskbroker::model::ActivationStatus::Complete,
                 "acknowledged report for {id} lost"
             );
         }

@@ -9,9 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestSqlite, rows};
-use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, SqliteStore, SqliteStoreConfig, StoreError,
-};
+use taskbroker::model::{ActivationStatus, BucketRange};
+use taskbroker::store::{ActivationStore, SqliteStore, SqliteStoreConfig, StoreError};
 
 /// Logical size of the database file in bytes.
 fn database_bytes(db: &TestSqlite) -> i64 {

@@ -17,10 +17,8 @@ use taskbroker::actors::store::{
     ClaimBatch, CountByStatus, InsertBatch, MaxPendingLag, Ping, ReleaseClaims, ReportStatus,
 };
 use taskbroker::metrics::Metrics;
-use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, PostgresStore, StatusUpdate,
-    StoreError, WorkerStatus,
-};
+use taskbroker::model::{ActivationStatus, BucketRange, ClaimToken, StatusUpdate, WorkerStatus};
+use taskbroker::store::{ActivationStore, PostgresStore, StoreError};
 
 /// Bound on every wait for the database to reach a state; reaching it is
 /// the test's event, running out is a failure.

@@ -11,12 +11,13 @@ use std::time::Duration;
 use chrono::{TimeDelta, Utc};
 use common::{insert, now, row, row_from, rows, task};
 use prost::Message;
-use taskbroker::proto::TaskActivation;
-use taskbroker::store::{
-    ActivationStatus, ActivationStore, BucketRange, ClaimToken, ClaimedActivation,
-    InflightActivation, OnAttemptsExceeded, PostgresStore, PostgresStoreConfig, PublishKind,
-    PullFilter, RetryEdit, StatusUpdate, StatusUpdateOutcome, StoreError, WorkerStatus,
+use taskbroker::model::{
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, InflightActivation,
+    OnAttemptsExceeded, PublishKind, PullFilter, RetryEdit, StatusUpdate, StatusUpdateOutcome,
+    WorkerStatus,
 };
+use taskbroker::proto::TaskActivation;
+use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig, StoreError};
 
 const LEASE: Duration = Duration::from_secs(30);
 const NO_GRACE: Duration = Duration::ZERO;

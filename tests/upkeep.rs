@@ -19,11 +19,12 @@ use rdkafka::message::Message as _;
 use taskbroker::actors::consumer::ConsumerActor;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
-use taskbroker::proto::{RetryState, TaskActivation};
-use taskbroker::store::{
-    ActivationStatus, BucketRange, InflightActivation, OnAttemptsExceeded, PostgresStore,
-    PullFilter, StatusUpdate, WorkerStatus,
+use taskbroker::model::{
+    ActivationStatus, BucketRange, InflightActivation, OnAttemptsExceeded, PullFilter,
+    StatusUpdate, WorkerStatus,
 };
+use taskbroker::proto::{RetryState, TaskActivation};
+use taskbroker::store::PostgresStore;
 
 const RETRY_TOPIC: &str = "upkeep-retries";
 const DLQ_TOPIC: &str = "upkeep-dead-letters";

@@ -20,12 +20,11 @@ pub use postgres::{PostgresStore, PostgresStoreConfig};
 pub use sqlite::{SqliteStore, SqliteStoreConfig};
 
 // The values the store's operations take and answer belong to the domain
-// (`crate::model`); they are named here too because they are this
-// interface's vocabulary.
-pub use crate::model::{
-    ActivationStatus, BUCKET_COUNT, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, OnAttemptsExceeded, PublishKind, PullFilter, RetryEdit, StatusCounts,
-    StatusUpdate, StatusUpdateOutcome, WorkerStatus, bucket_for_id,
+// and are imported from `crate::model` by everyone, the store included.
+use crate::model::{
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    InflightActivation, PublishKind, PullFilter, RetryEdit, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome,
 };
 
 use std::time::Duration;

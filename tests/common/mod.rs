@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use prost::Message;
+use taskbroker::model::InflightActivation;
 use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
-    ActivationStore, InflightActivation, PostgresStore, PostgresStoreConfig, SqliteStore,
-    SqliteStoreConfig,
+    ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
 
 /// Where tests find a PostgreSQL server they may create databases on.
@@ -424,7 +424,7 @@ pub async fn assert_v1_row_reads_back_with_no_edit(store: &dyn ActivationStore) 
     assert_eq!(row.activation, b"\x0a\x03old");
     assert_eq!(
         row.retry_edit,
-        taskbroker::store::RetryEdit::default(),
+        taskbroker::model::RetryEdit::default(),
         "NULL columns: no edit"
     );
 }

@@ -21,11 +21,11 @@ use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
 use prost::Message;
+use taskbroker::model::{BucketRange, ClaimToken, InflightActivation, StatusUpdate, WorkerStatus};
 use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
 use taskbroker::store::{
-    ActivationStore, BucketRange, ClaimToken, InflightActivation, PostgresStore,
-    PostgresStoreConfig, SqliteStore, SqliteStoreConfig, StatusUpdate, WorkerStatus,
+    ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
 
 const BATCH_SIZES: [usize; 4] = [1, 16, 64, 256];

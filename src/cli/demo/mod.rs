@@ -129,7 +129,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::scenario::{Kind, report_for};
-    use taskbroker::store::WorkerStatus;
+    use taskbroker::model::WorkerStatus;
 
     #[test]
     fn the_mix_has_every_kind_in_its_share() {

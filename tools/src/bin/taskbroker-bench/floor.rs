@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use taskbroker::model::{BucketRange, StatusUpdate, WorkerStatus};
 use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::store::{
-    ActivationStore, BucketRange, PostgresStore, PostgresStoreConfig, SqliteStore,
-    SqliteStoreConfig, StatusUpdate, WorkerStatus,
+    ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
 
 use crate::harness::{Scratch, StoreKind, activation, run_id};
@@ -183,7 +183,7 @@ async fn one_loop(
 /// them Processing, then Complete. Returns how many rows there were.
 pub async fn process_and_complete(
     store: &dyn ActivationStore,
-    claimed: Vec<taskbroker::store::ClaimedActivation>,
+    claimed: Vec<taskbroker::model::ClaimedActivation>,
 ) -> Result<u64, String> {
     let tokens: Vec<_> = claimed.iter().map(|row| row.token.clone()).collect();
     store

@@ -48,9 +48,10 @@ use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
+use taskbroker::model::ActivationStatus;
 use taskbroker::model::{KafkaPosition, inflight_from_record};
 use taskbroker::proto::{RetryState, TaskActivation};
-use taskbroker::store::{ActivationStatus, ActivationStore, PostgresStore, PostgresStoreConfig};
+use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 
 #[derive(Parser)]
 #[command(name = "taskbroker-bench", about = "Load harness for taskbroker")]

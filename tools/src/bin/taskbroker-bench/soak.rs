@@ -13,7 +13,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use taskbroker::store::{ActivationStore, BucketRange, SqliteStore, SqliteStoreConfig};
+use taskbroker::model::BucketRange;
+use taskbroker::store::{ActivationStore, SqliteStore, SqliteStoreConfig};
 
 use crate::{fill, floor, peak_rss_kib};
 

@@ -111,6 +111,7 @@ fn config_with(endpoints: WorkerEndpoints) -> PushPipelineConfig {
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(500),
             lease: Duration::from_secs(30),
+            #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },
         push: PushPoolConfig {

@@ -57,10 +57,11 @@ pub struct FetchConfig {
     pub backoff: Duration,
     pub queue_timeout: Duration,
     pub lease: Duration,
-    /// `false` only in the stranded-claim benchmark and its test, and read
-    /// only in a `test-hooks` build (`TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL`):
-    /// a batch that cannot be submitted keeps its claims until their lease
-    /// runs out, as in the older design.
+    /// Exists only in a `test-hooks` build, for the stranded-claim benchmark
+    /// and its test (`TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL`): `false`
+    /// keeps the claims of a batch that cannot be submitted until their
+    /// lease runs out, as in the older design. Production always releases.
+    #[cfg(feature = "test-hooks")]
     pub release_on_full: bool,
 }
 

@@ -504,6 +504,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(2000),
             lease: Duration::from_secs(60),
+            #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },
         push: PushPoolConfig {

@@ -210,6 +210,44 @@ mod tests {
         assert_eq!(health.failed().await, "consumer stopped unexpectedly");
     }
 
+    /// The watcher sees an actor whose handler panicked as stopped: tokio
+    /// catches the panic in the actor's task, which drops its mailbox.
+    #[actix_rt::test]
+    async fn an_actor_whose_handler_panics_is_a_failure() {
+        use actix::prelude::*;
+
+        struct Fragile;
+        impl Actor for Fragile {
+            type Context = Context<Self>;
+        }
+        #[derive(Message)]
+        #[rtype(result = "()")]
+        struct Break;
+        impl Handler<Break> for Fragile {
+            type Result = ();
+            fn handle(&mut self, _: Break, _: &mut Context<Self>) {
+                panic!("a bug in a handler");
+            }
+        }
+
+        let arbiter = Arbiter::new();
+        let addr = Fragile::start_in_arbiter(&arbiter.handle(), |_| Fragile);
+        let health = Health::new();
+        let watched = vec![Watched::actor("the fragile actor", &addr)];
+        addr.do_send(Break);
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            watch_actors(health.clone(), watched, Duration::from_millis(5)),
+        )
+        .await
+        .expect("the watcher notices the panicked actor");
+        assert_eq!(
+            health.failure().as_deref(),
+            Some("the fragile actor stopped unexpectedly")
+        );
+        arbiter.stop();
+    }
+
     #[tokio::test]
     async fn a_stopped_part_is_a_failure_unless_the_broker_is_stopping() {
         let alive = Arc::new(AtomicBool::new(true));

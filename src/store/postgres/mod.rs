@@ -10,15 +10,16 @@
 mod pool;
 mod rows;
 mod sql;
+mod tls;
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::Row;
 
-use self::pool::{build_pool, describe, pool_error, query_error};
+use self::pool::{build_pool, connect_config, describe, pool_error, query_error};
 use self::rows::{activation_from_row, activations_from_rows, limit, micros, split_tokens};
 use self::sql::*;
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
@@ -146,12 +147,15 @@ impl ActivationStore for PostgresStore {
 
     async fn migrate(&self) -> StoreResult<()> {
         let migration_error = |err: tokio_postgres::Error| StoreError::Migration(describe(&err));
-        let mut pg_config: tokio_postgres::Config = self
-            .url
-            .parse()
-            .map_err(|err| StoreError::Config(format!("invalid PostgreSQL URL: {err}")))?;
+        let (mut pg_config, connector) = connect_config(&self.url)?;
         pg_config.connect_timeout(self.connect_timeout);
-        let (mut client, connection) = pg_config.connect(NoTls).await.map_err(migration_error)?;
+        let (mut client, connection) = pg_config.connect(connector).await.map_err(|err| {
+            StoreError::Migration(format!(
+                "connecting to {}: {}",
+                crate::config::redact_url(&self.url),
+                describe(&err)
+            ))
+        })?;
         let driver = tokio::spawn(connection);
         // A session lock, held by this connection only: if this process dies
         // mid-migration the lock goes with its connection.

@@ -5,23 +5,38 @@
 use deadpool_postgres::{
     Hook, HookError, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
 };
-use tokio_postgres::{NoTls, error::SqlState};
+use tokio_postgres::error::SqlState;
 
 use super::PostgresStoreConfig;
+use super::tls::{RustlsConnect, split_url};
 use crate::store::{StoreError, StoreResult};
 
-pub(super) fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> StoreResult<Pool> {
-    let mut pg_config: tokio_postgres::Config = config
+/// The tokio-postgres configuration and TLS connector for `url`, honouring
+/// libpq's `sslmode`/`sslrootcert`; errors name the setting.
+pub(super) fn connect_config(
+    url: &str,
+) -> StoreResult<(tokio_postgres::Config, RustlsConnect)> {
+    let config_error =
+        |err: String| StoreError::Config(format!("TASKBROKER_DATABASE_URL: {err}"));
+    let split = split_url(url).map_err(config_error)?;
+    let mut pg_config: tokio_postgres::Config = split
         .url
         .parse()
         .map_err(|err| StoreError::Config(format!("invalid PostgreSQL URL: {err}")))?;
+    pg_config.ssl_mode(split.ssl_mode());
+    let connector = split.connector().map_err(config_error)?;
+    Ok((pg_config, connector))
+}
+
+pub(super) fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> StoreResult<Pool> {
+    let (mut pg_config, connector) = connect_config(&config.url)?;
     pg_config.connect_timeout(config.connect_timeout);
     if pg_config.get_application_name().is_none() {
         pg_config.application_name("taskbroker");
     }
     let manager = Manager::from_config(
         pg_config,
-        NoTls,
+        connector,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },

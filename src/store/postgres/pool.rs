@@ -13,11 +13,8 @@ use crate::store::{StoreError, StoreResult};
 
 /// The tokio-postgres configuration and TLS connector for `url`, honouring
 /// libpq's `sslmode`/`sslrootcert`; errors name the setting.
-pub(super) fn connect_config(
-    url: &str,
-) -> StoreResult<(tokio_postgres::Config, RustlsConnect)> {
-    let config_error =
-        |err: String| StoreError::Config(format!("TASKBROKER_DATABASE_URL: {err}"));
+pub(super) fn connect_config(url: &str) -> StoreResult<(tokio_postgres::Config, RustlsConnect)> {
+    let config_error = |err: String| StoreError::Config(format!("TASKBROKER_DATABASE_URL: {err}"));
     let split = split_url(url).map_err(config_error)?;
     let mut pg_config: tokio_postgres::Config = split
         .url

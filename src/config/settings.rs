@@ -58,7 +58,7 @@ settings! {
         allowed: Allowed::Url { schemes: &["postgres", "postgresql"] },
         secret: true,
         render: Option::clone,
-        description: "PostgreSQL connection URL shared by all replicas; unset = embedded SQLite at `SQLITE_PATH` (single node).",
+        description: "PostgreSQL connection URL shared by all replicas; unset = embedded SQLite at `SQLITE_PATH` (single node). TLS as libpq: `?sslmode=` `disable`, `prefer` (default), `require`, `verify-ca` or `verify-full`, and `sslrootcert=` a PEM file of CA certificates (default: the built-in public roots).",
     },
     sqlite_path: PathBuf = SQLITE_PATH {
         default: "./taskbroker.sqlite",

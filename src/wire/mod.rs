@@ -8,3 +8,4 @@
 
 pub mod signing;
 pub mod worker_client;
+pub mod worker_tls;

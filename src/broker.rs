@@ -33,6 +33,7 @@ use crate::metrics::Metrics;
 use crate::model::BucketRange;
 use crate::store::ActivationStore;
 use crate::supervisor::{Health, Watched, watch_actors};
+use crate::wire::worker_tls::WorkerTlsFiles;
 
 /// What a push pipeline needs from the configuration.
 #[derive(Debug, Clone)]
@@ -65,6 +66,11 @@ impl PushPipelineConfig {
                 callback_url: config.advertised_addr(host_name),
                 signing_secret: config.grpc_shared_secrets.first().cloned(),
                 endpoints: config.worker_endpoints.clone(),
+                tls: WorkerTlsFiles {
+                    ca: config.worker_tls_ca.clone(),
+                    cert: config.worker_tls_cert.clone(),
+                    key: config.worker_tls_key.clone(),
+                },
             },
         }
     }

@@ -304,8 +304,8 @@ fn worker_endpoint_with_a_bad_url_scheme_is_refused() {
     assert_single_problem(
         &[("TASKBROKER_WORKER_ENDPOINTS", "billing=ftp://billing:21")],
         "TASKBROKER_WORKER_ENDPOINTS=billing=ftp://billing:21: must be \
-         `app=url|url;app2=url;*=url` with `http://` URLs \
-         (URL `ftp://billing:21` does not start with `http://` (TLS to workers is not supported))",
+         `app=url|url;app2=url;*=url` with `http://` or `https://` URLs \
+         (URL `ftp://billing:21` does not start with `http://` or `https://`)",
     );
 }
 
@@ -636,11 +636,11 @@ fn render_effective_and_debug_redact_secrets() {
 fn a_refused_worker_endpoint_is_shown_without_its_credentials() {
     let err = parse_err(&[(
         "TASKBROKER_WORKER_ENDPOINTS",
-        "billing=https://svc:hunter2@billing:50052",
+        "billing=grpcs://svc:hunter2@billing:50052",
     )]);
     let text = err.to_string();
     assert!(!text.contains("hunter2"), "{text}");
-    assert!(text.contains("https://<redacted>@billing:50052"), "{text}");
+    assert!(text.contains("grpcs://<redacted>@billing:50052"), "{text}");
 }
 
 #[test]

@@ -526,6 +526,7 @@ async fn kafka_to_workers_end_to_end(backend: Backend) {
                 callback_url: "broker.test:50051".to_owned(),
                 signing_secret: None,
                 endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|"))).unwrap(),
+                tls: Default::default(),
             },
         },
         harness.store_actor.clone(),

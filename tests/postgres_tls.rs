@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use rustls::ServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
@@ -18,7 +18,7 @@ use common::TestDb;
 
 struct Ca {
     cert: rcgen::Certificate,
-    key: KeyPair,
+    issuer: Issuer<'static, KeyPair>,
     pem_path: String,
 }
 
@@ -44,7 +44,7 @@ fn new_ca() -> Ca {
     std::fs::write(&pem_path, cert.pem()).unwrap();
     Ca {
         cert,
-        key,
+        issuer: Issuer::new(params, key),
         pem_path,
     }
 }
@@ -54,7 +54,7 @@ fn server_config(ca: &Ca, names: &[&str]) -> Arc<ServerConfig> {
     let key = KeyPair::generate().unwrap();
     let params =
         CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
-    let leaf = params.signed_by(&key, &ca.cert, &ca.key).unwrap();
+    let leaf = params.signed_by(&key, &ca.issuer).unwrap();
     let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone(), ca.cert.der().clone()];
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
     let config =

@@ -123,6 +123,7 @@ fn config_with(endpoints: WorkerEndpoints) -> PushPipelineConfig {
             callback_url: "broker.test:50051".to_owned(),
             signing_secret: None,
             endpoints,
+            tls: Default::default(),
         },
     }
 }

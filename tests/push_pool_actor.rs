@@ -132,6 +132,7 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
         callback_url: "broker.test:50051".to_owned(),
         signing_secret: None,
         endpoints: WorkerEndpoints::parse(&format!("*={url}")).expect("worker endpoints"),
+        tls: Default::default(),
     };
     PushPoolActor::validate(&config).expect("valid push config");
     let pool = PushPoolActor::new(

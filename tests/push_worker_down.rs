@@ -86,6 +86,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
                 worker.url().replace("http://", "http://svc:hunter2@")
             ))
             .unwrap(),
+            tls: Default::default(),
         },
     };
     let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics)).unwrap();

@@ -108,7 +108,7 @@ impl Allowed {
             ),
             Allowed::List => "a comma-separated list without empty items".to_owned(),
             Allowed::WorkerEndpoints => {
-                "`app=url|url;app2=url;*=url` with `http://` URLs".to_owned()
+                "`app=url|url;app2=url;*=url` with `http://` or `https://` URLs".to_owned()
             }
             Allowed::Text => "any text".to_owned(),
         }

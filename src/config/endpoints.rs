@@ -8,7 +8,8 @@ use std::fmt;
 ///
 /// Format: entries separated by `;`, each `application=url`, several URLs for one application
 /// separated by `|`; the application `*` serves every application without its own entry.
-/// Example: `billing=http://billing-0:50052|http://billing-1:50052;*=http://worker:50052`.
+/// Example: `billing=http://billing-0:50052|http://billing-1:50052;*=https://worker:50052`
+/// (`https://` URLs connect over TLS: `WORKER_TLS_CA`, `WORKER_TLS_CERT`, `WORKER_TLS_KEY`).
 ///
 /// Its `Debug` form redacts credentials in URLs (`user:pass@`), like [`WorkerEndpoints::redacted`].
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -164,13 +165,14 @@ pub fn redact_url(text: &str) -> Cow<'_, str> {
 }
 
 fn check_http_url(url: &str) -> Result<&str, String> {
-    // No TLS client is built in yet: refuse https:// here rather than fail
-    // every push later. Errors show the URL redacted: it may carry credentials.
+    // Errors show the URL redacted: it may carry credentials.
     let shown = redact_url(url);
-    let rest = url.strip_prefix("http://");
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"));
     match rest {
         None => Err(format!(
-            "URL `{shown}` does not start with `http://` (TLS to workers is not supported)"
+            "URL `{shown}` does not start with `http://` or `https://`"
         )),
         Some(rest) if rest.is_empty() || rest.starts_with('/') => {
             Err(format!("URL `{shown}` has no host"))

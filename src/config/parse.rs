@@ -215,6 +215,22 @@ impl Values {
             );
         }
 
+        let tls_cert = self.peek(key::WORKER_TLS_CERT).flatten();
+        let tls_key = self.peek(key::WORKER_TLS_KEY).flatten();
+        match (tls_cert, tls_key) {
+            (Some(cert), None) => self.conflict(
+                key::WORKER_TLS_CERT,
+                cert.display().to_string(),
+                format!("needs {ENV_PREFIX}WORKER_TLS_KEY: set both for mTLS, or neither"),
+            ),
+            (None, Some(key)) => self.conflict(
+                key::WORKER_TLS_KEY,
+                key.display().to_string(),
+                format!("needs {ENV_PREFIX}WORKER_TLS_CERT: set both for mTLS, or neither"),
+            ),
+            _ => {}
+        }
+
         let shutdown_timeout = self.peek(key::SHUTDOWN_TIMEOUT_MS);
         if let (Some(shutdown_timeout), Some(push_timeout)) = (shutdown_timeout, push_timeout)
             && shutdown_timeout <= push_timeout

@@ -184,6 +184,27 @@ settings! {
         render: |endpoints| text(&endpoints.redacted()),
         description: "Push mode (required there): worker URLs per application; `*` serves applications without their own entry; pushes are spread over an application's URLs.",
     },
+    worker_tls_ca: Option<PathBuf> = WORKER_TLS_CA {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM file of CA certificates that `https://` worker URLs are verified against, besides the system's roots; unset = system roots only. Read at startup: a file that cannot be read or parsed stops the broker.",
+    },
+    worker_tls_cert: Option<PathBuf> = WORKER_TLS_CERT {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM file of the client certificate (chain) the broker presents to `https://` workers that require one (mTLS); set together with `WORKER_TLS_KEY`.",
+    },
+    worker_tls_key: Option<PathBuf> = WORKER_TLS_KEY {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM file of the private key of `WORKER_TLS_CERT`; set together with it. Only the path is ever printed.",
+    },
     fetch_actors: usize = FETCH_ACTORS {
         default: "2",
         allowed: Allowed::PowerOfTwo { min: 1, max: 256 },
@@ -341,6 +362,11 @@ fn text(value: &impl Display) -> Option<String> {
 }
 
 /// A duration in whole milliseconds.
+/// A file setting shows its path, never the file's contents.
+fn path(path: &Option<PathBuf>) -> Option<String> {
+    path.as_ref().map(|path| path.display().to_string())
+}
+
 fn ms(duration: &Duration) -> Option<String> {
     Some(duration.as_millis().to_string())
 }

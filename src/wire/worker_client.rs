@@ -13,7 +13,7 @@ use bytes::BufMut;
 use http::uri::PathAndQuery;
 use prost::Message;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
 use super::signing::{SIGNATURE_METADATA, sign_parts};
@@ -144,8 +144,14 @@ impl WorkerClient {
     }
 
     /// Must be called inside a Tokio runtime (the channel spawns its worker).
-    pub fn connect_lazy(url: &str, connect_timeout: Duration) -> Result<Self, String> {
-        let endpoint = Endpoint::from_shared(url.to_owned())
+    /// `https://` URLs connect over TLS with `tls` (see
+    /// [`super::worker_tls::WorkerTlsFiles::load`]); `http://` ones ignore it.
+    pub fn connect_lazy(
+        url: &str,
+        connect_timeout: Duration,
+        tls: &ClientTlsConfig,
+    ) -> Result<Self, String> {
+        let mut endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|err| {
                 format!(
                     "invalid worker URL {}: {err}",
@@ -156,6 +162,14 @@ impl WorkerClient {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_while_idle(true);
+        if endpoint.uri().scheme_str() == Some("https") {
+            endpoint = endpoint.tls_config(tls.clone()).map_err(|err| {
+                format!(
+                    "TLS settings for worker URL {}: {err}",
+                    crate::config::redact_url(url)
+                )
+            })?;
+        }
         Ok(WorkerClient {
             channel: endpoint.connect_lazy(),
         })

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use super::outcome::PushOutcome;
 use crate::config::WorkerEndpoints;
 use crate::wire::worker_client::WorkerClient;
+use tonic::transport::ClientTlsConfig;
 
 /// First pause after an endpoint fails; doubles per failure up to
 /// [`MAX_ENDPOINT_BACKOFF`], and resets on the first success.
@@ -37,6 +38,7 @@ impl Router {
     pub(super) fn new(
         endpoints: &WorkerEndpoints,
         connect_timeout: Duration,
+        tls: &ClientTlsConfig,
     ) -> Result<Self, String> {
         let mut by_url: HashMap<String, Arc<WorkerEndpoint>> = HashMap::new();
         let mut endpoint = |url: &str| -> Result<Arc<WorkerEndpoint>, String> {
@@ -46,7 +48,7 @@ impl Router {
             let created = Arc::new(WorkerEndpoint {
                 // Only for logs: credentials in the URL never reach them.
                 url: crate::config::redact_url(url).into_owned(),
-                client: WorkerClient::connect_lazy(url, connect_timeout)?,
+                client: WorkerClient::connect_lazy(url, connect_timeout, tls)?,
                 health: Mutex::new(Health::default()),
             });
             by_url.insert(url.to_owned(), Arc::clone(&created));

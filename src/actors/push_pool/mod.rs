@@ -68,6 +68,7 @@ use crate::metrics::Metrics;
 use crate::model::InflightActivation;
 use crate::proto::TaskActivation;
 use crate::wire::worker_client::{PushTaskBytes, WorkerClient};
+use crate::wire::worker_tls::WorkerTlsFiles;
 
 /// How long an activation whose application has no worker endpoint waits in
 /// Delay before it is offered again: long enough not to spin on a
@@ -101,6 +102,8 @@ pub struct PushPoolConfig {
     /// Pushes are signed with the first secret, when there is one.
     pub signing_secret: Option<String>,
     pub endpoints: WorkerEndpoints,
+    /// CA bundle and client certificate for `https://` worker URLs.
+    pub tls: WorkerTlsFiles,
 }
 
 /// An activation to push, with the claim it holds.
@@ -151,7 +154,7 @@ impl PushPoolActor {
         for url in config.endpoints.all_urls() {
             WorkerClient::check_url(url)?;
         }
-        Ok(())
+        config.tls.load().map(drop)
     }
 
     /// Builds the worker channels; must run inside the actor's runtime
@@ -165,7 +168,11 @@ impl PushPoolActor {
         registry: ClaimRegistry,
     ) -> Self {
         let connect_timeout = config.push_timeout.min(Duration::from_secs(1));
-        let router = Router::new(&config.endpoints, connect_timeout)
+        let tls = config
+            .tls
+            .load()
+            .unwrap_or_else(|err| panic!("worker TLS files are validated before start: {err}"));
+        let router = Router::new(&config.endpoints, connect_timeout, &tls)
             .unwrap_or_else(|err| panic!("worker URLs are validated before start: {err}"));
         let concurrency = config.concurrency.clamp(1, Semaphore::MAX_PERMITS);
         PushPoolActor {

@@ -516,6 +516,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
             callback_url: "127.0.0.1:50051".to_owned(),
             signing_secret: None,
             endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|")))?,
+            tls: Default::default(),
         },
     };
 

@@ -1,0 +1,94 @@
+//! TLS for the PushTask client: what `https://` worker URLs connect with.
+//!
+//! The broker verifies workers against the system's roots plus an optional
+//! CA bundle (`WORKER_TLS_CA`), and presents a client certificate for mTLS
+//! when `WORKER_TLS_CERT` and `WORKER_TLS_KEY` are set. The files are read
+//! and parsed once, when the push pool is checked at startup, so a missing
+//! or malformed file stops the broker with the variable it came from rather
+//! than failing every push later.
+
+use std::path::{Path, PathBuf};
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+
+use crate::config::ENV_PREFIX;
+
+/// Paths of the PEM files the TLS client uses, as configured.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerTlsFiles {
+    /// Extra trusted roots (`WORKER_TLS_CA`), besides the system's.
+    pub ca: Option<PathBuf>,
+    /// Client certificate chain for mTLS (`WORKER_TLS_CERT`).
+    pub cert: Option<PathBuf>,
+    /// Its private key (`WORKER_TLS_KEY`).
+    pub key: Option<PathBuf>,
+}
+
+impl WorkerTlsFiles {
+    /// Reads and checks the files: the TLS settings of every `https://`
+    /// channel. Errors name the setting whose file is wrong.
+    pub fn load(&self) -> Result<ClientTlsConfig, String> {
+        let mut tls = ClientTlsConfig::new().with_native_roots();
+        if let Some(path) = &self.ca {
+            let pem = read("WORKER_TLS_CA", path)?;
+            let count = certificates("WORKER_TLS_CA", path, &pem)?;
+            if count == 0 {
+                return Err(invalid("WORKER_TLS_CA", path, "holds no PEM certificate"));
+            }
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        match (&self.cert, &self.key) {
+            (None, None) => {}
+            (Some(cert_path), Some(key_path)) => {
+                let cert = read("WORKER_TLS_CERT", cert_path)?;
+                if certificates("WORKER_TLS_CERT", cert_path, &cert)? == 0 {
+                    return Err(invalid(
+                        "WORKER_TLS_CERT",
+                        cert_path,
+                        "holds no PEM certificate",
+                    ));
+                }
+                let key = read("WORKER_TLS_KEY", key_path)?;
+                PrivateKeyDer::from_pem_slice(&key).map_err(|err| {
+                    invalid(
+                        "WORKER_TLS_KEY",
+                        key_path,
+                        &format!("holds no PEM private key ({err})"),
+                    )
+                })?;
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(format!(
+                    "{ENV_PREFIX}WORKER_TLS_CERT and {ENV_PREFIX}WORKER_TLS_KEY must be set together"
+                ));
+            }
+        }
+        Ok(tls)
+    }
+}
+
+fn read(setting: &str, path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|err| {
+        format!(
+            "{ENV_PREFIX}{setting}: cannot read {}: {err}",
+            path.display()
+        )
+    })
+}
+
+/// How many PEM certificates `pem` holds; an error if one does not parse.
+fn certificates(setting: &str, path: &Path, pem: &[u8]) -> Result<usize, String> {
+    let mut count = 0;
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        cert.map_err(|err| invalid(setting, path, &format!("is not valid PEM ({err})")))?;
+        count += 1;
+    }
+    Ok(count)
+}
+
+fn invalid(setting: &str, path: &Path, why: &str) -> String {
+    format!("{ENV_PREFIX}{setting}: {} {why}", path.display())
+}

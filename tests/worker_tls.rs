@@ -1,0 +1,312 @@
+//! Pushing to workers over TLS (issue 15 item 3): real handshakes between the
+//! push pool and a tonic WorkerService served with certificates this test
+//! generates (a test CA, a server certificate for `localhost`, a client
+//! certificate for mTLS). The broker trusts the server only through
+//! `WORKER_TLS_CA`, and a server that requires client certificates accepts
+//! the broker only when `WORKER_TLS_CERT`/`WORKER_TLS_KEY` are set.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::{Backend, rows, wait_for_count};
+use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
+use taskbroker::actors::fetch::FetchConfig;
+use taskbroker::actors::push_pool::PushPoolConfig;
+use taskbroker::broker::{PushPipeline, PushPipelineConfig};
+use taskbroker::config::WorkerEndpoints;
+use taskbroker::metrics::Metrics;
+use taskbroker::model::ActivationStatus;
+use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
+use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
+use taskbroker::wire::worker_tls::WorkerTlsFiles;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+/// PEM files of one test PKI, in a directory of their own.
+struct Pki {
+    dir: PathBuf,
+    ca_pem: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+impl Pki {
+    fn generate() -> Pki {
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(names).unwrap();
+            params.extended_key_usages = vec![usage];
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let server = leaf(
+            vec!["localhost".to_owned()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let client = leaf(
+            vec!["broker.test".to_owned()],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let dir =
+            std::env::temp_dir().join(format!("taskbroker-worker-tls-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pki = Pki {
+            dir,
+            ca_pem,
+            server,
+            client,
+        };
+        pki.write("ca.pem", &pki.ca_pem);
+        pki.write("client.pem", &pki.client.0);
+        pki.write("client.key", &pki.client.1);
+        pki
+    }
+
+    fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.path(name), text).unwrap();
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn files(&self, ca: bool, client: bool) -> WorkerTlsFiles {
+        WorkerTlsFiles {
+            ca: ca.then(|| self.path("ca.pem")),
+            cert: client.then(|| self.path("client.pem")),
+            key: client.then(|| self.path("client.key")),
+        }
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct CountingHandler {
+    handled: Arc<AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for CountingHandler {
+    async fn push_task(
+        &self,
+        _request: tonic::Request<PushTaskRequest>,
+    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
+        self.handled.fetch_add(1, Ordering::SeqCst);
+        Ok(tonic::Response::new(PushTaskResponse {}))
+    }
+}
+
+/// A WorkerService on loopback over TLS; with `require_client_cert`, only
+/// clients with a certificate from the test CA get through.
+struct TlsWorker {
+    url: String,
+    handled: Arc<AtomicU64>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl TlsWorker {
+    async fn start(pki: &Pki, require_client_cert: bool) -> TlsWorker {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handled = Arc::new(AtomicU64::new(0));
+        let mut tls =
+            ServerTlsConfig::new().identity(Identity::from_pem(&pki.server.0, &pki.server.1));
+        if require_client_cert {
+            tls = tls.client_ca_root(Certificate::from_pem(&pki.ca_pem));
+        }
+        let service = WorkerServiceServer::new(CountingHandler {
+            handled: Arc::clone(&handled),
+        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let router = tonic::transport::Server::builder()
+            .tls_config(tls)
+            .expect("server TLS config")
+            .add_service(service);
+        tokio::spawn(async move {
+            let _ = router
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await;
+        });
+        TlsWorker {
+            url: format!("https://localhost:{port}"),
+            handled,
+            _stop: stop,
+        }
+    }
+}
+
+fn config(url: &str, tls: WorkerTlsFiles) -> PushPipelineConfig {
+    PushPipelineConfig {
+        fetch_actors: 1,
+        fetch: FetchConfig {
+            batch_size: 16,
+            backoff: Duration::from_millis(20),
+            queue_timeout: Duration::from_millis(500),
+            lease: Duration::from_secs(30),
+            #[cfg(feature = "test-hooks")]
+            release_on_full: true,
+        },
+        push: PushPoolConfig {
+            concurrency: 8,
+            queue_size: 16,
+            push_timeout: Duration::from_secs(2),
+            deadline_grace: Duration::from_secs(3),
+            max_attempts: 5,
+            callback_url: "broker.test:50051".to_owned(),
+            signing_secret: None,
+            endpoints: WorkerEndpoints::parse(&format!("*={url}")).expect("endpoints"),
+            tls,
+        },
+    }
+}
+
+/// Inserts `n` rows and runs a pipeline against `worker` with `tls` until
+/// every row is pushed (`expect_ok`) or pushes have failed; returns the
+/// fixture to inspect.
+async fn run(
+    worker: &TlsWorker,
+    tls: WorkerTlsFiles,
+    n: usize,
+    expect_ok: bool,
+) -> common::StoreFixture {
+    let fixture = common::StoreFixture::on(Backend::Postgres).await;
+    fixture
+        .store
+        .insert_batch(&rows("tls", n))
+        .await
+        .expect("insert");
+    let config = config(&worker.url, tls);
+    taskbroker::actors::PushPoolActor::validate(&config.push).expect("valid push config");
+    let pipeline = PushPipeline::start(
+        config,
+        fixture.store_actor.clone(),
+        Arc::clone(&fixture.metrics),
+    )
+    .expect("pipeline starts");
+    if expect_ok {
+        wait_for_count(
+            "every row pushed",
+            Duration::from_secs(30),
+            &fixture.metrics.pushes,
+            "ok",
+            n as u64,
+        )
+        .await;
+    } else {
+        wait_for_count(
+            "failed pushes",
+            Duration::from_secs(30),
+            &fixture.metrics.pushes,
+            "error",
+            1,
+        )
+        .await;
+    }
+    pipeline.stop().await;
+    fixture
+}
+
+async fn count(fixture: &common::StoreFixture, status: ActivationStatus) -> u64 {
+    fixture
+        .store
+        .count_by_status()
+        .await
+        .expect("count")
+        .get(status)
+}
+
+async fn assert_nothing_delivered(fixture: &common::StoreFixture, worker: &TlsWorker) {
+    assert_eq!(
+        worker.handled.load(Ordering::SeqCst),
+        0,
+        "no push got through"
+    );
+    assert_eq!(Metrics::count(&fixture.metrics.pushes, "ok"), 0);
+    assert_eq!(count(fixture, ActivationStatus::Processing).await, 0);
+    assert_eq!(
+        count(fixture, ActivationStatus::Claimed).await,
+        0,
+        "claims came back"
+    );
+}
+
+#[actix_rt::test]
+async fn pushes_reach_a_tls_worker_trusted_through_worker_tls_ca() {
+    let pki = Pki::generate();
+    let worker = TlsWorker::start(&pki, false).await;
+    let fixture = run(&worker, pki.files(true, false), 20, true).await;
+    assert_eq!(worker.handled.load(Ordering::SeqCst), 20);
+    assert_eq!(count(&fixture, ActivationStatus::Processing).await, 20);
+}
+
+#[actix_rt::test]
+async fn pushes_to_a_tls_worker_fail_without_its_ca() {
+    let pki = Pki::generate();
+    let worker = TlsWorker::start(&pki, false).await;
+    let fixture = run(&worker, pki.files(false, false), 5, false).await;
+    assert_nothing_delivered(&fixture, &worker).await;
+}
+
+#[actix_rt::test]
+async fn mtls_worker_accepts_pushes_only_with_the_client_certificate() {
+    let pki = Pki::generate();
+    let worker = TlsWorker::start(&pki, true).await;
+    let fixture = run(&worker, pki.files(true, true), 10, true).await;
+    assert_eq!(worker.handled.load(Ordering::SeqCst), 10);
+    assert_eq!(count(&fixture, ActivationStatus::Processing).await, 10);
+
+    let worker = TlsWorker::start(&pki, true).await;
+    let fixture = run(&worker, pki.files(true, false), 5, false).await;
+    assert_nothing_delivered(&fixture, &worker).await;
+}
+
+#[test]
+fn unreadable_or_malformed_tls_files_are_errors_naming_the_setting() {
+    let pki = Pki::generate();
+    let missing = WorkerTlsFiles {
+        ca: Some(pki.path("absent.pem")),
+        ..Default::default()
+    };
+    let err = missing.load().unwrap_err();
+    assert!(err.contains("TASKBROKER_WORKER_TLS_CA"), "{err}");
+
+    pki.write("garbage.pem", "not a certificate");
+    let garbage = WorkerTlsFiles {
+        ca: Some(pki.path("garbage.pem")),
+        ..Default::default()
+    };
+    let err = garbage.load().unwrap_err();
+    assert!(err.contains("TASKBROKER_WORKER_TLS_CA"), "{err}");
+
+    let bad_key = WorkerTlsFiles {
+        cert: Some(pki.path("client.pem")),
+        key: Some(pki.path("garbage.pem")),
+        ..Default::default()
+    };
+    let err = bad_key.load().unwrap_err();
+    assert!(err.contains("TASKBROKER_WORKER_TLS_KEY"), "{err}");
+
+    let half = WorkerTlsFiles {
+        cert: Some(pki.path("client.pem")),
+        ..Default::default()
+    };
+    assert!(half.load().is_err());
+    assert!(pki.files(true, true).load().is_ok());
+}

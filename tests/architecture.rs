@@ -105,7 +105,9 @@ fn leaves_and_the_domain_import_nothing_above_them() {
     );
     let store: Vec<&String> = graph["store"].iter().collect();
     assert!(
-        store.iter().all(|name| ["model", "config"].contains(&name.as_str())),
+        store
+            .iter()
+            .all(|name| ["model", "config"].contains(&name.as_str())),
         "store imports {store:?}; it may use only the model and the config leaf"
     );
 }

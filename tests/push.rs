@@ -11,17 +11,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use common::worker::{DemoWorker, FakeWorker, Mode};
+use common::worker::{CountingHandler, DemoWorker, FakeWorker, Mode, push_config};
 use common::{Backend, rows, wait_for_count, wait_until};
-use taskbroker::actors::fetch::FetchConfig;
-use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, PushPoolConfig, StopPushPool};
+use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, StopPushPool};
 use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
 use taskbroker::model::{ActivationStatus, BucketRange, InflightActivation};
-use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
-use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
+use taskbroker::proto::worker_service_server::WorkerServiceServer;
 use taskbroker::store::ActivationStore;
 
 on_both_backends!(
@@ -104,28 +102,7 @@ fn config(workers: &[&DemoWorker]) -> PushPipelineConfig {
 }
 
 fn config_with(endpoints: WorkerEndpoints) -> PushPipelineConfig {
-    PushPipelineConfig {
-        fetch_actors: 4,
-        fetch: FetchConfig {
-            batch_size: 64,
-            backoff: Duration::from_millis(20),
-            queue_timeout: Duration::from_millis(500),
-            lease: Duration::from_secs(30),
-            #[cfg(feature = "test-hooks")]
-            release_on_full: true,
-        },
-        push: PushPoolConfig {
-            concurrency: 32,
-            queue_size: 64,
-            push_timeout: Duration::from_secs(2),
-            deadline_grace: Duration::from_secs(3),
-            max_attempts: 5,
-            callback_url: "broker.test:50051".to_owned(),
-            signing_secret: None,
-            endpoints,
-            tls: Default::default(),
-        },
-    }
+    push_config(endpoints)
 }
 
 /// The claim lease as `Config::claim_lease` derives it: the mailbox holds
@@ -881,21 +858,6 @@ struct SmallWorker {
     addr: std::net::SocketAddr,
     handled: Arc<AtomicU64>,
     _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-struct CountingHandler {
-    handled: Arc<AtomicU64>,
-}
-
-#[tonic::async_trait]
-impl WorkerService for CountingHandler {
-    async fn push_task(
-        &self,
-        _request: tonic::Request<PushTaskRequest>,
-    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
-        self.handled.fetch_add(1, Ordering::SeqCst);
-        Ok(tonic::Response::new(PushTaskResponse {}))
-    }
 }
 
 impl SmallWorker {

@@ -12,16 +12,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::worker::{CountingHandler, push_config};
 use common::{Backend, rows, wait_for_count};
 use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
-use taskbroker::actors::fetch::FetchConfig;
-use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
 use taskbroker::model::ActivationStatus;
-use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
-use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
+use taskbroker::proto::worker_service_server::WorkerServiceServer;
 use taskbroker::wire::worker_tls::WorkerTlsFiles;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
@@ -93,21 +91,6 @@ impl Drop for Pki {
     }
 }
 
-struct CountingHandler {
-    handled: Arc<AtomicU64>,
-}
-
-#[tonic::async_trait]
-impl WorkerService for CountingHandler {
-    async fn push_task(
-        &self,
-        _request: tonic::Request<PushTaskRequest>,
-    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
-        self.handled.fetch_add(1, Ordering::SeqCst);
-        Ok(tonic::Response::new(PushTaskResponse {}))
-    }
-}
-
 /// A WorkerService on loopback over TLS; with `require_client_cert`, only
 /// clients with a certificate from the test CA get through.
 struct TlsWorker {
@@ -153,28 +136,13 @@ impl TlsWorker {
 }
 
 fn config(url: &str, tls: WorkerTlsFiles) -> PushPipelineConfig {
-    PushPipelineConfig {
-        fetch_actors: 1,
-        fetch: FetchConfig {
-            batch_size: 16,
-            backoff: Duration::from_millis(20),
-            queue_timeout: Duration::from_millis(500),
-            lease: Duration::from_secs(30),
-            #[cfg(feature = "test-hooks")]
-            release_on_full: true,
-        },
-        push: PushPoolConfig {
-            concurrency: 8,
-            queue_size: 16,
-            push_timeout: Duration::from_secs(2),
-            deadline_grace: Duration::from_secs(3),
-            max_attempts: 5,
-            callback_url: "broker.test:50051".to_owned(),
-            signing_secret: None,
-            endpoints: WorkerEndpoints::parse(&format!("*={url}")).expect("endpoints"),
-            tls,
-        },
-    }
+    let mut config = push_config(WorkerEndpoints::parse(&format!("*={url}")).expect("endpoints"));
+    config.fetch_actors = 1;
+    config.fetch.batch_size = 16;
+    config.push.concurrency = 8;
+    config.push.queue_size = 16;
+    config.push.tls = tls;
+    config
 }
 
 /// Inserts `n` rows and runs a pipeline against `worker` with `tls` until

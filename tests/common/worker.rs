@@ -12,6 +12,17 @@ pub mod scenario;
 
 pub use demo_worker::{DemoWorker, Mode};
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use taskbroker::actors::fetch::FetchConfig;
+use taskbroker::actors::push_pool::PushPoolConfig;
+use taskbroker::broker::PushPipelineConfig;
+use taskbroker::config::WorkerEndpoints;
+use taskbroker::proto::worker_service_server::WorkerService;
+use taskbroker::proto::{PushTaskRequest, PushTaskResponse};
+
 /// Starts demo workers, failing the test if one cannot listen.
 pub struct FakeWorker;
 
@@ -24,5 +35,49 @@ impl FakeWorker {
         DemoWorker::start_signed(mode, secrets)
             .await
             .expect("fake worker listens")
+    }
+}
+
+/// A WorkerService that accepts every push and counts it in `handled`, for
+/// tests that serve it themselves (over TLS, behind a connection limit).
+pub struct CountingHandler {
+    pub handled: Arc<AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for CountingHandler {
+    async fn push_task(
+        &self,
+        _request: tonic::Request<PushTaskRequest>,
+    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
+        self.handled.fetch_add(1, Ordering::SeqCst);
+        Ok(tonic::Response::new(PushTaskResponse {}))
+    }
+}
+
+/// The push pipeline the push tests start from: four FetchActors, a pool of
+/// 32, pushes to `endpoints` in plaintext; tests adjust what they need.
+pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {
+    PushPipelineConfig {
+        fetch_actors: 4,
+        fetch: FetchConfig {
+            batch_size: 64,
+            backoff: Duration::from_millis(20),
+            queue_timeout: Duration::from_millis(500),
+            lease: Duration::from_secs(30),
+            #[cfg(feature = "test-hooks")]
+            release_on_full: true,
+        },
+        push: PushPoolConfig {
+            concurrency: 32,
+            queue_size: 64,
+            push_timeout: Duration::from_secs(2),
+            deadline_grace: Duration::from_secs(3),
+            max_attempts: 5,
+            callback_url: "broker.test:50051".to_owned(),
+            signing_secret: None,
+            endpoints,
+            tls: Default::default(),
+        },
     }
 }

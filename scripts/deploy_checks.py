@@ -257,7 +257,21 @@ def check_k8s():
     selector = deployment["spec"]["selector"]["matchLabels"]
     if any(labels.get(k) != v for k, v in selector.items()):
         problem(at, "the selector does not match the pod labels")
+    worker_urls = settings.get("TASKBROKER_WORKER_ENDPOINTS", "")
     for (kind, name), doc in objects.items():
+        if kind == "Service" and doc["spec"].get("selector", {}).get("app.kubernetes.io/name") == "taskworker":
+            # The workers' Service: headless, so the broker sees every pod,
+            # and on the port the broker's worker URLs name.
+            at_service = f"{where}: Service {name}"
+            if doc["spec"].get("clusterIP") != "None":
+                problem(at_service, "the workers' Service must be headless (clusterIP: None)")
+            service_ports = {port["port"] for port in doc["spec"].get("ports", [])}
+            named = {int(port) for port in re.findall(rf"//{re.escape(name)}:(\d+)", worker_urls)}
+            if not named:
+                problem(at_service, "TASKBROKER_WORKER_ENDPOINTS names no URL of this Service")
+            for port in named - service_ports:
+                problem(at_service, f"TASKBROKER_WORKER_ENDPOINTS uses port {port}, the Service has {sorted(service_ports)}")
+            continue
         if kind == "Service":
             chosen = doc["spec"].get("selector", {})
             target_ports = {port.get("targetPort") for port in doc["spec"].get("ports", [])}

@@ -23,7 +23,9 @@ use actix::prelude::*;
 use crate::actors::claims::ClaimRegistry;
 use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
 use crate::actors::fetch::{FetchConfig, StopFetching, WakeFetch};
-use crate::actors::push_pool::{DrainPushPool, PushPoolConfig, StopPushPool};
+use crate::actors::push_pool::{
+    DrainPushPool, PushPoolConfig, Resolver, SpreadConfig, StopPushPool,
+};
 use crate::actors::store::{ReleaseClaims, StoreHandle};
 use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
 use crate::actors::{FetchActor, PushPoolActor};
@@ -70,6 +72,11 @@ impl PushPipelineConfig {
                     ca: config.worker_tls_ca.clone(),
                     cert: config.worker_tls_cert.clone(),
                     key: config.worker_tls_key.clone(),
+                },
+                spread: SpreadConfig {
+                    connections: config.worker_connections,
+                    dns_refresh: config.worker_dns_refresh,
+                    resolver: Resolver::System,
                 },
             },
         }

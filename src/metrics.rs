@@ -75,6 +75,9 @@ pub struct Metrics {
     /// pass found less than a full batch, else a lower bound (the batch
     /// limit).
     pub upkeep_backlog: IntGaugeVec,
+    /// Addresses each worker URL resolves to (1 until its host name is
+    /// resolved, and for a URL naming an address), by endpoint.
+    pub worker_addresses: IntGaugeVec,
     /// Worker status reports, by status (complete, retry, failure) and
     /// result (updated, ignored, missing, invalid; late: updated by a report
     /// that likely came from an earlier delivery).
@@ -403,6 +406,14 @@ impl Metrics {
             &["step"],
         )
         .expect("valid metric definition");
+        let worker_addresses = IntGaugeVec::new(
+            Opts::new(
+                "taskbroker_worker_addresses",
+                "Addresses each worker URL resolves to; pushes are spread over connections to all of them.",
+            ),
+            &["endpoint"],
+        )
+        .expect("valid metric definition");
         let status_updates = counter_vec(
             "taskbroker_status_updates_total",
             "Worker status reports: by status as received, and by the result of writing them.",
@@ -423,6 +434,7 @@ impl Metrics {
             Box::new(upkeep_errors.clone()),
             Box::new(published.clone()),
             Box::new(upkeep_backlog.clone()),
+            Box::new(worker_addresses.clone()),
         ] {
             registry
                 .register(collector)
@@ -475,6 +487,7 @@ impl Metrics {
             upkeep_errors,
             published,
             upkeep_backlog,
+            worker_addresses,
             status_updates,
         };
         metrics.initialise_label_values();

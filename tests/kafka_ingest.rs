@@ -527,6 +527,7 @@ async fn kafka_to_workers_end_to_end(backend: Backend) {
                 signing_secret: None,
                 endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|"))).unwrap(),
                 tls: Default::default(),
+                spread: Default::default(),
             },
         },
         harness.store_actor.clone(),

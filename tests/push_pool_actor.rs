@@ -133,6 +133,7 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
         signing_secret: None,
         endpoints: WorkerEndpoints::parse(&format!("*={url}")).expect("worker endpoints"),
         tls: Default::default(),
+        spread: Default::default(),
     };
     PushPoolActor::validate(&config).expect("valid push config");
     let pool = PushPoolActor::new(

@@ -87,6 +87,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
             ))
             .unwrap(),
             tls: Default::default(),
+            spread: Default::default(),
         },
     };
     let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics)).unwrap();

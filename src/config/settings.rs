@@ -138,7 +138,7 @@ settings! {
         allowed: Allowed::KafkaProperties,
         secret: true,
         render: |items| pairs(items),
-        description: "Extra librdkafka properties for the consumer and the producers, e.g. `sasl.mechanism=PLAIN,sasl.username=u,sasl.password=p`. TLS (`security.protocol=SSL` or `SASL_SSL`) is not available: this build compiles librdkafka without OpenSSL.",
+        description: "Extra librdkafka properties for the consumer and every producer, e.g. `security.protocol=SASL_SSL,sasl.mechanism=SCRAM-SHA-512,sasl.username=u,sasl.password=p,ssl.ca.location=/etc/kafka/ca.pem`. librdkafka is built with TLS and SASL (PLAIN, SCRAM-SHA-256/512, OAUTHBEARER; not GSSAPI or OIDC); with TLS on and no `ssl.ca.location`, the system's CA bundle is used. Values may not contain commas. Never printed.",
     },
     grpc_addr: SocketAddr = GRPC_ADDR {
         default: "0.0.0.0:50051",
@@ -204,6 +204,20 @@ settings! {
         secret: false,
         render: path,
         description: "PEM file of the private key of `WORKER_TLS_CERT`; set together with it. Only the path is ever printed.",
+    },
+    worker_connections: usize = WORKER_CONNECTIONS {
+        default: "8",
+        allowed: Allowed::Integer { min: 1, max: 256 },
+        secret: false,
+        render: text,
+        description: "Connections kept to each worker URL, spread over the addresses its host name resolves to (at least one per address); each push goes to the less loaded of two drawn at random. Behind a ClusterIP Service (kube-proxy balances per connection) it bounds how many pods one broker reaches; behind a headless Service every pod gets at least one.",
+    },
+    worker_dns_refresh: Duration = WORKER_DNS_REFRESH_MS {
+        default: "5000",
+        allowed: Allowed::Millis { min: 100, max: 3_600_000 },
+        secret: false,
+        render: ms,
+        description: "How often worker host names are resolved again: pods added behind a headless Service get pushes, and removed ones are dropped, within this interval. A failed lookup keeps the previous addresses.",
     },
     fetch_actors: usize = FETCH_ACTORS {
         default: "2",

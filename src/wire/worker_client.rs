@@ -7,6 +7,7 @@
 //! the HTTP/2 frame), and the signature is computed over exactly the bytes
 //! sent.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BufMut;
@@ -146,24 +147,45 @@ impl WorkerClient {
     /// Must be called inside a Tokio runtime (the channel spawns its worker).
     /// `https://` URLs connect over TLS with `tls` (see
     /// [`super::worker_tls::WorkerTlsFiles::load`]); `http://` ones ignore it.
+    ///
+    /// With `address`, the channel connects to that address instead of
+    /// resolving the URL's host, while the request's authority and the TLS
+    /// server name stay the URL's host: one channel per pod behind a
+    /// name that resolves to several (a headless Service).
     pub fn connect_lazy(
         url: &str,
+        address: Option<SocketAddr>,
         connect_timeout: Duration,
         tls: &ClientTlsConfig,
     ) -> Result<Self, String> {
-        let mut endpoint = Endpoint::from_shared(url.to_owned())
-            .map_err(|err| {
-                format!(
-                    "invalid worker URL {}: {err}",
-                    crate::config::redact_url(url)
-                )
-            })?
+        let invalid = |err: &dyn std::fmt::Display| {
+            format!(
+                "invalid worker URL {}: {err}",
+                crate::config::redact_url(url)
+            )
+        };
+        let mut endpoint = Endpoint::from_shared(url.to_owned()).map_err(|err| invalid(&err))?;
+        let uri = endpoint.uri().clone();
+        let https = uri.scheme_str() == Some("https");
+        let mut tls = tls.clone();
+        if let Some(address) = address {
+            let scheme = if https { "https" } else { "http" };
+            endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+                .map_err(|err| invalid(&err))?
+                .origin(uri.clone());
+            if let Some(host) = uri.host() {
+                // Verify the worker's certificate for the name in the URL,
+                // not for the address it was reached at.
+                tls = tls.domain_name(host.trim_start_matches('[').trim_end_matches(']'));
+            }
+        }
+        endpoint = endpoint
             .connect_timeout(connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_while_idle(true);
-        if endpoint.uri().scheme_str() == Some("https") {
-            endpoint = endpoint.tls_config(tls.clone()).map_err(|err| {
+        if https {
+            endpoint = endpoint.tls_config(tls).map_err(|err| {
                 format!(
                     "TLS settings for worker URL {}: {err}",
                     crate::config::redact_url(url)

@@ -78,6 +78,7 @@ pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {
             signing_secret: None,
             endpoints,
             tls: Default::default(),
+            spread: Default::default(),
         },
     }
 }

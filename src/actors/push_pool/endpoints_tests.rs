@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Health, MAX_ENDPOINT_BACKOFF, MIN_ENDPOINT_BACKOFF};
+use super::{FailureLog, Health, MAX_ENDPOINT_BACKOFF, MIN_ENDPOINT_BACKOFF};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -78,7 +78,7 @@ fn a_success_resets_the_backoff() {
     }
     now += MAX_ENDPOINT_BACKOFF;
     assert_eq!(health.admit_at(now), Ok(()), "the probe");
-    assert_eq!(health.record_at(true, now), None);
+    health.record_at(true, now);
     assert_eq!(health.consecutive_failures, 0);
     assert_eq!(health.retry_at, None);
     // Healthy again: everyone is admitted at once, no probe held.
@@ -157,19 +157,22 @@ fn a_burst_for_a_down_endpoint_gets_one_probe_per_pause() {
 
 #[test]
 fn failure_lines_are_throttled_and_count_what_they_skipped() {
-    let mut health = Health::default();
+    let mut log = FailureLog::default();
     let start = Instant::now();
-    assert_eq!(health.record_at(false, start), Some(0));
+    assert_eq!(log.failure_at(start), Some(0));
     for i in 1..=9 {
-        assert_eq!(health.record_at(false, start + i * 100 * MS), None);
+        assert_eq!(log.failure_at(start + i * 100 * MS), None);
     }
-    assert_eq!(
-        health.record_at(false, start + super::FAILURE_LOG_INTERVAL),
-        Some(9)
-    );
-    // A success logs no failure line and keeps the throttle.
-    assert_eq!(
-        health.record_at(true, start + super::FAILURE_LOG_INTERVAL),
-        None
-    );
+    assert_eq!(log.failure_at(start + super::FAILURE_LOG_INTERVAL), Some(9));
+}
+
+#[test]
+fn draws_spread_over_every_index() {
+    // The two choices come from `splitmix` of a counter: over many pushes
+    // every connection is drawn about equally often.
+    let mut seen = [0u32; 7];
+    for counter in 0..7_000u64 {
+        seen[(super::splitmix(counter) % 7) as usize] += 1;
+    }
+    assert!(seen.iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
 }

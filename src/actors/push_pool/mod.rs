@@ -1,6 +1,7 @@
 //! PushPoolActor: delivers claimed activations to workers with PushTask.
 //!
-//! - Owns: one lazily connected channel per worker URL, each endpoint's
+//! - Owns: lazily connected channels to every worker URL (several per URL,
+//!   spread over the addresses its host name resolves to), each channel's
 //!   health (backoff after failures), and `PUSH_CONCURRENCY` push slots.
 //! - Receives: [`PushActivation`] (bounded mailbox of `PUSH_QUEUE_SIZE`,
 //!   plus one per sender handle: actix's rule), [`StopPushPool`],
@@ -44,10 +45,14 @@
 //! pushes in flight end within their push timeout.
 //!
 //! Beside this file: `outcome.rs` classifies a push's result, `endpoints.rs`
-//! routes applications to worker endpoints and keeps each one's backoff.
+//! routes applications to worker connections (balanced by load, following
+//! DNS) and keeps each one's backoff, `resolve.rs` looks host names up.
 
 mod endpoints;
 mod outcome;
+mod resolve;
+
+pub use self::resolve::{Resolver, StaticHosts};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -104,6 +109,31 @@ pub struct PushPoolConfig {
     pub endpoints: WorkerEndpoints,
     /// CA bundle and client certificate for `https://` worker URLs.
     pub tls: WorkerTlsFiles,
+    /// How pushes are spread over the pods behind each worker URL.
+    pub spread: SpreadConfig,
+}
+
+/// How many connections each worker URL gets and how its host name is
+/// followed (see `endpoints.rs`).
+#[derive(Debug, Clone)]
+pub struct SpreadConfig {
+    /// Connections kept to each worker URL (`WORKER_CONNECTIONS`), spread
+    /// over the addresses its host name resolves to, at least one each.
+    pub connections: usize,
+    /// How often host names are resolved again (`WORKER_DNS_REFRESH_MS`).
+    pub dns_refresh: Duration,
+    pub resolver: Resolver,
+}
+
+impl Default for SpreadConfig {
+    /// The settings' defaults, with the system resolver.
+    fn default() -> Self {
+        SpreadConfig {
+            connections: 8,
+            dns_refresh: Duration::from_secs(5),
+            resolver: Resolver::System,
+        }
+    }
 }
 
 /// An activation to push, with the claim it holds.
@@ -172,8 +202,14 @@ impl PushPoolActor {
             .tls
             .load()
             .unwrap_or_else(|err| panic!("worker TLS files are validated before start: {err}"));
-        let router = Router::new(&config.endpoints, connect_timeout, &tls)
-            .unwrap_or_else(|err| panic!("worker URLs are validated before start: {err}"));
+        let router = Router::new(
+            &config.endpoints,
+            &config.spread,
+            connect_timeout,
+            &tls,
+            &metrics,
+        )
+        .unwrap_or_else(|err| panic!("worker URLs are validated before start: {err}"));
         let concurrency = config.concurrency.clamp(1, Semaphore::MAX_PERMITS);
         PushPoolActor {
             slots: Arc::new(Semaphore::new(concurrency)),
@@ -284,9 +320,11 @@ impl PushShared {
         if left.is_none_or(|left| left < needed) {
             return self.release_unpushed(claim).await;
         }
+        self.router.ready().await;
         let Some(endpoint) = self.router.pick(&activation.application) else {
             return self.defer_unroutable(claim, &activation.application).await;
         };
+        let _in_flight = endpoint.begin();
         if TaskActivation::decode(activation.activation.as_slice()).is_err() {
             return self.give_up(claim, "undecodable").await;
         }

@@ -517,6 +517,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
             signing_secret: None,
             endpoints: WorkerEndpoints::parse(&format!("*={}", urls.join("|")))?,
             tls: Default::default(),
+            spread: Default::default(),
         },
     };
 

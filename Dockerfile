@@ -44,13 +44,12 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 # --- runtime -----------------------------------------------------------------
 FROM debian:bookworm-slim
 
-# The binary needs glibc, libgcc_s and zlib, nothing else (no TLS library:
-# this build of librdkafka has no SSL, and PostgreSQL is reached without
-# TLS). They are part of bookworm-slim; installing them by name documents the
-# dependency and keeps the image correct if the base image ever drops one.
-# hadolint ignore=DL3008
+# The binary needs glibc, libgcc_s and zlib (OpenSSL for librdkafka and
+# rustls for PostgreSQL, workers and the gRPC server are built in), plus the
+# system's CA bundle: Kafka, PostgreSQL and worker certificates from public
+# CAs are verified against it when no CA file is configured.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libgcc-s1 zlib1g \
+    && apt-get install -y --no-install-recommends ca-certificates libgcc-s1 zlib1g \
     && rm -rf /var/lib/apt/lists/*
 
 # A fixed numeric user, so Kubernetes can check runAsNonRoot and volumes can

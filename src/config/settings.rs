@@ -147,6 +147,27 @@ settings! {
         render: text,
         description: "Address the gRPC server (ConsumerService, health) listens on.",
     },
+    grpc_tls_cert: Option<PathBuf> = GRPC_TLS_CERT {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM certificate chain (leaf first) the gRPC server presents; set with `GRPC_TLS_KEY` to serve TLS only (HTTP/2 over TLS, health checks included). Re-read every second: a changed pair that loads is used for new connections without a restart; one that does not is logged and the previous one kept.",
+    },
+    grpc_tls_key: Option<PathBuf> = GRPC_TLS_KEY {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM private key of `GRPC_TLS_CERT`; set together with it. Only the path is ever printed.",
+    },
+    grpc_tls_client_ca: Option<PathBuf> = GRPC_TLS_CLIENT_CA {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "PEM file of CA certificates; when set (with `GRPC_TLS_CERT`/`GRPC_TLS_KEY`), every client (workers, health checkers) must present a certificate chaining to one of them (mTLS).",
+    },
     /// As given; use [`Config::advertised_addr`].
     grpc_advertised_addr: Option<String> = GRPC_ADVERTISED_ADDR {
         default: "",

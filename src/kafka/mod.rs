@@ -5,6 +5,14 @@
 //! `enable.auto.commit` and `enable.auto.offset.store` are always off.
 //! Everything else (SASL, TLS, timeouts) can be added with `KAFKA_CONFIG`.
 //!
+//! librdkafka is built with its own OpenSSL (`ssl-vendored`), whose default
+//! certificate directory is the build's install prefix, not the system's.
+//! So when TLS is on (`security.protocol` `SSL` or `SASL_SSL`) and
+//! `KAFKA_CONFIG` names no CA (`ssl.ca.location` or `ssl.ca.pem`), the
+//! clients look for the system's CA bundle themselves (`ssl.ca.location=
+//! probe`), which is what a broker with a publicly signed certificate (most
+//! managed Kafka services) needs.
+//!
 //! Producers are sized for the records they carry: librdkafka's default
 //! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
 //! (1 MiB), and a record it refuses is never written.
@@ -48,7 +56,31 @@ impl KafkaSettings {
         for (key, value) in &self.properties {
             client.set(key, value);
         }
+        if self.uses_tls() && !self.names_a_ca() {
+            client.set("ssl.ca.location", "probe");
+        }
         client
+    }
+
+    fn property(&self, key: &str) -> Option<&str> {
+        self.properties
+            .iter()
+            .rev()
+            .find(|(name, _)| name == key)
+            .map(|(_, value)| value.as_str())
+    }
+
+    /// Whether `security.protocol` is `SSL` or `SASL_SSL`.
+    fn uses_tls(&self) -> bool {
+        self.property("security.protocol").is_some_and(|protocol| {
+            protocol.eq_ignore_ascii_case("ssl") || protocol.eq_ignore_ascii_case("sasl_ssl")
+        })
+    }
+
+    fn names_a_ca(&self) -> bool {
+        ["ssl.ca.location", "ssl.ca.pem", "ssl.ca.certificate.stores"]
+            .iter()
+            .any(|key| self.property(key).is_some())
     }
 
     /// A consumer in `group` that never commits by itself.
@@ -177,6 +209,24 @@ mod tests {
             if let Err(err) = settings.create_producer(Duration::from_secs(5)) {
                 panic!("{max_activation_bytes}: {err}");
             }
+        }
+    }
+
+    #[test]
+    fn tls_without_a_named_ca_probes_for_the_system_bundle() {
+        for protocol in ["SSL", "sasl_ssl"] {
+            let consumer = settings(&[("security.protocol", protocol)]).consumer("g", "earliest");
+            assert_eq!(consumer.get("ssl.ca.location"), Some("probe"), "{protocol}");
+        }
+        let named = settings(&[
+            ("security.protocol", "SSL"),
+            ("ssl.ca.location", "/etc/kafka/ca.pem"),
+        ])
+        .producer(Duration::from_secs(5));
+        assert_eq!(named.get("ssl.ca.location"), Some("/etc/kafka/ca.pem"));
+        for plaintext in [&[][..], &[("security.protocol", "SASL_PLAINTEXT")][..]] {
+            let consumer = settings(plaintext).consumer("g", "earliest");
+            assert_eq!(consumer.get("ssl.ca.location"), None);
         }
     }
 

@@ -4,6 +4,7 @@
 
 pub mod kafka;
 pub mod process;
+pub mod tls;
 pub mod worker;
 
 use std::sync::Arc;

@@ -261,6 +261,14 @@ impl Broker {
         metrics: Arc<Metrics>,
         host_name: &str,
     ) -> Result<Broker, String> {
+        // Checked before anything starts: a bad file stops startup.
+        let grpc_tls = crate::grpc::tls::ServerTlsFiles::from_settings(
+            config.grpc_tls_cert.as_deref(),
+            config.grpc_tls_key.as_deref(),
+            config.grpc_tls_client_ca.as_deref(),
+        )?
+        .map(|files| crate::grpc::tls::ServerTls::load(files, Arc::clone(&metrics)).map(Arc::new))
+        .transpose()?;
         let health = Health::new();
         let store_arbiter = Arbiter::new();
         let store_actor =
@@ -328,6 +336,7 @@ impl Broker {
         let server_config = crate::grpc::server::ServerConfig {
             shared_secrets: config.grpc_shared_secrets.clone(),
             max_request_bytes: config.grpc_max_request_bytes,
+            tls: grpc_tls,
         };
         let (health_tx, health_rx) = tokio::sync::oneshot::channel();
         server_arbiter.spawn(async move {

@@ -82,6 +82,12 @@ pub struct Metrics {
     /// result (updated, ignored, missing, invalid; late: updated by a report
     /// that likely came from an earlier delivery).
     pub status_updates: IntCounterVec,
+    /// gRPC TLS files re-read after a change, by result (ok, error).
+    pub grpc_tls_reloads: IntCounterVec,
+    /// Unix time the gRPC TLS certificate in use was loaded.
+    pub grpc_tls_loaded: IntGauge,
+    /// gRPC connections dropped in the TLS handshake (refused or timed out).
+    pub grpc_tls_handshake_failures: IntCounter,
 }
 
 /// The label values the code emits, one list per label. The metrics are
@@ -93,6 +99,7 @@ pub mod labels {
     /// `taskbroker_claims_released_total{reason}`: FetchActor (queue_*),
     /// push pool (push_failed), upkeep (lease_expired), broker stop
     /// (shutdown), a claim guard dropped while held (dropped).
+    pub const TLS_RELOAD_RESULTS: &[&str] = &["ok", "error"];
     pub const RELEASE_REASONS: &[&str] = &[
         "queue_timeout",
         "queue_closed",
@@ -419,8 +426,26 @@ impl Metrics {
             "Worker status reports: by status as received, and by the result of writing them.",
             &["status", "result"],
         );
+        let grpc_tls_reloads = counter_vec(
+            "taskbroker_grpc_tls_reloads_total",
+            "Changes to the gRPC TLS files, by whether they loaded (ok) or the previous certificate was kept (error).",
+            &["result"],
+        );
+        let grpc_tls_loaded = IntGauge::new(
+            "taskbroker_grpc_tls_loaded_timestamp_seconds",
+            "Unix time the gRPC server's TLS certificate in use was loaded; 0 without TLS.",
+        )
+        .expect("valid metric definition");
+        let grpc_tls_handshake_failures = IntCounter::new(
+            "taskbroker_grpc_tls_handshake_failures_total",
+            "gRPC connections that failed or did not finish the TLS handshake in time.",
+        )
+        .expect("valid metric definition");
         for collector in [
-            Box::new(status_updates.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(grpc_tls_reloads.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(grpc_tls_loaded.clone()),
+            Box::new(grpc_tls_handshake_failures.clone()),
+            Box::new(status_updates.clone()),
             Box::new(consumer_records.clone()),
             Box::new(invalid_records.clone()),
             Box::new(ingest_dead_letters.clone()),
@@ -489,6 +514,9 @@ impl Metrics {
             upkeep_backlog,
             worker_addresses,
             status_updates,
+            grpc_tls_reloads,
+            grpc_tls_loaded,
+            grpc_tls_handshake_failures,
         };
         metrics.initialise_label_values();
         metrics
@@ -508,6 +536,7 @@ impl Metrics {
             (&self.ingest_dead_letters, PUBLISH_RESULTS),
             (&self.upkeep_transitions, UPKEEP_TRANSITIONS),
             (&self.upkeep_errors, UPKEEP_ERROR_STEPS),
+            (&self.grpc_tls_reloads, TLS_RELOAD_RESULTS),
         ] {
             for value in values {
                 counter.with_label_values(&[value]);

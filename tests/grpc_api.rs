@@ -65,6 +65,7 @@ impl Api {
             ServerConfig {
                 shared_secrets: secrets,
                 max_request_bytes: 1 << 20,
+                tls: None,
             },
             health,
             async move {

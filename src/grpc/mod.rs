@@ -6,4 +6,5 @@
 pub mod codec;
 pub mod consumer_service;
 pub mod server;
+pub mod tls;
 pub mod verify;

@@ -218,6 +218,7 @@ async fn run_status(args: &StatusArgs, url: &str) -> Result<(), String> {
             let config = ServerConfig {
                 shared_secrets: Vec::new(),
                 max_request_bytes: 4 << 20,
+                tls: None,
             };
             let _ = serve(listener, api, config, health, std::future::pending()).await;
         }

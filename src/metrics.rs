@@ -664,7 +664,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 27, "{text}");
+        assert_eq!(families, 30, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

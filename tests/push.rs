@@ -872,18 +872,10 @@ impl SmallWorker {
             handled: Arc::clone(&handled),
         })
         .max_decoding_message_size(limit);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await;
-        });
+        let stop = common::worker::serve_until_dropped(
+            tonic::transport::Server::builder().add_service(service),
+            listener,
+        );
         SmallWorker {
             addr,
             handled,

@@ -59,22 +59,14 @@ impl Pod {
     async fn start(listener: TcpListener, delay: Duration) -> Pod {
         let addr = listener.local_addr().unwrap();
         let handled = Arc::new(AtomicU64::new(0));
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let service = WorkerServiceServer::new(PodHandler {
             handled: Arc::clone(&handled),
             delay,
         });
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await;
-        });
+        let stop = common::worker::serve_until_dropped(
+            tonic::transport::Server::builder().add_service(service),
+            listener,
+        );
         Pod {
             addr,
             handled,

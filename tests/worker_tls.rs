@@ -112,21 +112,11 @@ impl TlsWorker {
         let service = WorkerServiceServer::new(CountingHandler {
             handled: Arc::clone(&handled),
         });
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let router = tonic::transport::Server::builder()
             .tls_config(tls)
             .expect("server TLS config")
             .add_service(service);
-        tokio::spawn(async move {
-            let _ = router
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await;
-        });
+        let stop = common::worker::serve_until_dropped(router, listener);
         TlsWorker {
             url: format!("https://localhost:{port}"),
             handled,

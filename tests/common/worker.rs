@@ -55,6 +55,26 @@ impl WorkerService for CountingHandler {
     }
 }
 
+/// Serves `router` on `listener` in the background until the returned
+/// sender is dropped: the worker servers tests build themselves.
+pub fn serve_until_dropped(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::TcpListener,
+) -> tokio::sync::oneshot::Sender<()> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = router
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                async move {
+                    let _ = stopped.await;
+                },
+            )
+            .await;
+    });
+    stop
+}
+
 /// The push pipeline the push tests start from: four FetchActors, a pool of
 /// 32, pushes to `endpoints` in plaintext; tests adjust what they need.
 pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {

@@ -48,6 +48,7 @@ FROM debian:bookworm-slim
 # rustls for PostgreSQL, workers and the gRPC server are built in), plus the
 # system's CA bundle: Kafka, PostgreSQL and worker certificates from public
 # CAs are verified against it when no CA file is configured.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates libgcc-s1 zlib1g \
     && rm -rf /var/lib/apt/lists/*

@@ -20,13 +20,14 @@ use std::time::Duration;
 use futures::Stream;
 use rustls::ServerConfig;
 use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::PrivateKeyDer;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::server::TlsStream;
 
 use crate::config::ENV_PREFIX;
 use crate::metrics::Metrics;
+use crate::wire::worker_tls::{certificates, invalid, read};
 
 /// How often the files are checked for changes.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
@@ -137,35 +138,6 @@ impl ServerTlsFiles {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Arc::new(config))
     }
-}
-
-fn read(setting: &str, path: &Path) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|err| {
-        format!(
-            "{ENV_PREFIX}{setting}: cannot read {}: {err}",
-            path.display()
-        )
-    })
-}
-
-/// Every certificate in `pem`; an error when one does not parse or there
-/// is none.
-fn certificates(
-    setting: &str,
-    path: &Path,
-    pem: &[u8],
-) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|err| invalid(setting, path, &format!("is not valid PEM ({err})")))?;
-    if certs.is_empty() {
-        return Err(invalid(setting, path, "holds no PEM certificate"));
-    }
-    Ok(certs)
-}
-
-fn invalid(setting: &str, path: &Path, why: &str) -> String {
-    format!("{ENV_PREFIX}{setting}: {} {why}", path.display())
 }
 
 /// The server's current TLS configuration, replaced when the files change.

@@ -33,23 +33,14 @@ impl WorkerTlsFiles {
         let mut tls = ClientTlsConfig::new().with_native_roots();
         if let Some(path) = &self.ca {
             let pem = read("WORKER_TLS_CA", path)?;
-            let count = certificates("WORKER_TLS_CA", path, &pem)?;
-            if count == 0 {
-                return Err(invalid("WORKER_TLS_CA", path, "holds no PEM certificate"));
-            }
+            certificates("WORKER_TLS_CA", path, &pem)?;
             tls = tls.ca_certificate(Certificate::from_pem(pem));
         }
         match (&self.cert, &self.key) {
             (None, None) => {}
             (Some(cert_path), Some(key_path)) => {
                 let cert = read("WORKER_TLS_CERT", cert_path)?;
-                if certificates("WORKER_TLS_CERT", cert_path, &cert)? == 0 {
-                    return Err(invalid(
-                        "WORKER_TLS_CERT",
-                        cert_path,
-                        "holds no PEM certificate",
-                    ));
-                }
+                certificates("WORKER_TLS_CERT", cert_path, &cert)?;
                 let key = read("WORKER_TLS_KEY", key_path)?;
                 PrivateKeyDer::from_pem_slice(&key).map_err(|err| {
                     invalid(
@@ -70,7 +61,7 @@ impl WorkerTlsFiles {
     }
 }
 
-fn read(setting: &str, path: &Path) -> Result<Vec<u8>, String> {
+pub(crate) fn read(setting: &str, path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|err| {
         format!(
             "{ENV_PREFIX}{setting}: cannot read {}: {err}",
@@ -79,16 +70,22 @@ fn read(setting: &str, path: &Path) -> Result<Vec<u8>, String> {
     })
 }
 
-/// How many PEM certificates `pem` holds; an error if one does not parse.
-fn certificates(setting: &str, path: &Path, pem: &[u8]) -> Result<usize, String> {
-    let mut count = 0;
-    for cert in CertificateDer::pem_slice_iter(pem) {
-        cert.map_err(|err| invalid(setting, path, &format!("is not valid PEM ({err})")))?;
-        count += 1;
+/// Every certificate in `pem`; an error naming `setting` when one does
+/// not parse or there is none. Shared with the gRPC server's TLS files.
+pub(crate) fn certificates(
+    setting: &str,
+    path: &Path,
+    pem: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| invalid(setting, path, &format!("is not valid PEM ({err})")))?;
+    if certs.is_empty() {
+        return Err(invalid(setting, path, "holds no PEM certificate"));
     }
-    Ok(count)
+    Ok(certs)
 }
 
-fn invalid(setting: &str, path: &Path, why: &str) -> String {
+pub(crate) fn invalid(setting: &str, path: &Path, why: &str) -> String {
     format!("{ENV_PREFIX}{setting}: {} {why}", path.display())
 }

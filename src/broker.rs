@@ -239,8 +239,17 @@ pub struct Broker {
     pub health: Health,
     grpc_shutdown: tokio::sync::oneshot::Sender<()>,
     http_shutdown: tokio::sync::oneshot::Sender<()>,
+    /// Resolve (or close) when the gRPC server and the metrics endpoint
+    /// have finished their calls and closed their listeners.
+    grpc_closed: tokio::sync::oneshot::Receiver<()>,
+    http_closed: tokio::sync::oneshot::Receiver<()>,
     arbiters: Vec<Arbiter>,
 }
+
+/// How long `stop` lets the servers finish calls already under way.
+const SERVER_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long `stop` waits for the actors' threads to end once told to.
+const ARBITER_JOIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Binds a listening socket now, so a taken port fails startup with a clear
 /// error instead of failing later in a background task.
@@ -339,7 +348,10 @@ impl Broker {
             tls: grpc_tls,
         };
         let (health_tx, health_rx) = tokio::sync::oneshot::channel();
+        let (grpc_closed_tx, grpc_closed) = tokio::sync::oneshot::channel::<()>();
+        let (http_closed_tx, http_closed) = tokio::sync::oneshot::channel::<()>();
         server_arbiter.spawn(async move {
+            let _closed = grpc_closed_tx;
             let listener = match tokio::net::TcpListener::from_std(grpc_listener) {
                 Ok(listener) => listener,
                 Err(err) => return tracing::error!(error = %err, "gRPC listener"),
@@ -380,6 +392,7 @@ impl Broker {
         let (http_metrics, http_store) = (Arc::clone(&shared_metrics), store_actor.clone());
         let http_health = health.clone();
         server_arbiter.spawn(async move {
+            let _closed = http_closed_tx;
             let listener = match tokio::net::TcpListener::from_std(metrics_listener) {
                 Ok(listener) => listener,
                 Err(err) => return tracing::error!(error = %err, "metrics listener"),
@@ -404,6 +417,8 @@ impl Broker {
             health,
             grpc_shutdown,
             http_shutdown,
+            grpc_closed,
+            http_closed,
             arbiters: vec![
                 server_arbiter,
                 consumer_arbiter,
@@ -416,6 +431,8 @@ impl Broker {
     /// Stops every actor in the order described in the module docs. The
     /// gRPC server stops after the pushes, so workers can still report the
     /// results of tasks pushed during shutdown; its in-flight calls finish.
+    /// When `stop` returns, the broker's threads have ended and its ports
+    /// are free, so a replacement can bind them at once.
     pub async fn stop(self) {
         // From here on actors stop because they are told to; health and
         // readiness turn away new work at once.
@@ -427,8 +444,32 @@ impl Broker {
         let _ = self.upkeep.send(StopUpkeep).await;
         let _ = self.grpc_shutdown.send(());
         let _ = self.http_shutdown.send(());
-        for arbiter in self.arbiters {
+        // Each server's task drops its end of the channel when serving has
+        // returned: calls finished, listener closed.
+        let closed = futures::future::join(self.grpc_closed, self.http_closed);
+        if tokio::time::timeout(SERVER_DRAIN_LIMIT, closed)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                limit = ?SERVER_DRAIN_LIMIT,
+                "calls still under way when the servers stopped"
+            );
+        }
+        for arbiter in &self.arbiters {
             arbiter.stop();
+        }
+        let arbiters = self.arbiters;
+        let joined = tokio::task::spawn_blocking(move || {
+            for arbiter in arbiters {
+                let _ = arbiter.join();
+            }
+        });
+        if tokio::time::timeout(ARBITER_JOIN_LIMIT, joined)
+            .await
+            .is_err()
+        {
+            tracing::warn!(limit = ?ARBITER_JOIN_LIMIT, "broker threads still running after stop");
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod http;
 pub mod kafka;
 pub mod metrics;
 pub mod model;
+pub mod net;
 pub mod store;
 pub mod supervisor;
 pub mod wire;

@@ -101,6 +101,58 @@ async fn healthy_broker_is_live_ready_and_serving() {
     assert_eq!(health.failure(), None);
 }
 
+/// A replica restarted in place (same process, same addresses) binds its
+/// ports the moment the old one's `stop` returns: the servers have
+/// finished and closed their listeners by then, even with a client still
+/// connected.
+#[actix_rt::test]
+async fn stop_frees_the_ports_so_a_replacement_binds_them_at_once() {
+    let db = TestDb::new().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("taskworker", 2);
+    let first = Broker::start(
+        &config(&kafka, &db.url),
+        db.store().await,
+        Arc::new(Metrics::new()),
+        "h",
+    )
+    .expect("broker starts");
+    let (grpc_addr, metrics_addr) = (first.grpc_addr, first.metrics_addr);
+    // A client keeps its HTTP/2 connection open across the stop.
+    let channel = tonic::transport::Channel::from_shared(format!("http://{grpc_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connects");
+    let mut client = HealthClient::new(channel);
+    client
+        .check(HealthCheckRequest::default())
+        .await
+        .expect("serving");
+    first.stop().await;
+
+    let (grpc, metrics) = (grpc_addr.to_string(), metrics_addr.to_string());
+    let replacement = Broker::start(
+        &config_with(
+            &kafka,
+            &db.url,
+            &[
+                ("DELIVERY_MODE", "pull"),
+                ("GRPC_ADDR", &grpc),
+                ("METRICS_ADDR", &metrics),
+            ],
+        ),
+        db.store().await,
+        Arc::new(Metrics::new()),
+        "h",
+    )
+    .expect("the replacement binds the same addresses");
+    assert_eq!(replacement.grpc_addr, grpc_addr);
+    assert_eq!(http_status(&replacement, "/health").await, 200);
+    assert_eq!(grpc_health(&replacement).await, ServingStatus::Serving);
+    replacement.stop().await;
+}
+
 #[actix_rt::test]
 async fn an_actor_that_stops_on_its_own_fails_health_and_readiness_at_once() {
     let db = TestDb::new().await;

@@ -451,12 +451,10 @@ impl Drop for KillOnDrop {
 }
 
 /// A loopback port nobody listens on right now, for a server the test
-/// starts later (a broker binary, a restarted replica).
+/// starts later (a broker binary, a restarted replica), held back from
+/// other tests' servers and connections until it is bound.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
+    taskbroker::net::reserve_loopback_port().expect("a free port")
 }
 
 /// Polls `condition` every 20 ms until it holds, failing the test after

@@ -307,9 +307,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
 }
 
 fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
+    taskbroker::net::reserve_loopback_port()
         .map_err(|err| format!("no free port on loopback: {err}"))
 }
 

@@ -208,7 +208,8 @@ async fn set_task_status_completes_and_is_idempotent_for_unknown_ids(backend: Ba
     let complete = set_status("done", TaskActivationStatus::Complete);
     let response = client.set_task_status(complete.clone()).await.unwrap();
     assert!(response.into_inner().task.is_none(), "no fetch_next asked");
-    assert_eq!(api.status("done").await, Some(ActivationStatus::Complete));
+    // Finished for good: the report deleted the row.
+    assert_eq!(api.status("done").await, None);
     // The same report again, and one for an id that never existed: OK.
     client.set_task_status(complete).await.unwrap();
     client
@@ -293,8 +294,8 @@ async fn fetch_next_task_in_push_mode_hands_out_nothing() {
     assert!(response.task.is_none());
     assert_eq!(
         api.status(&claimed[0].id).await,
-        Some(ActivationStatus::Complete),
-        "a Claimed row takes the worker's result"
+        None,
+        "a Claimed row takes the worker's result (COMPLETE: deleted)"
     );
 }
 
@@ -327,8 +328,8 @@ async fn one_bad_report_fails_only_its_own_request(backend: Backend) {
         match answer {
             Ok(_) => assert_eq!(
                 api.status(id).await,
-                Some(ActivationStatus::Complete),
-                "{id} answered OK but was not applied"
+                None,
+                "{id} answered OK but was not applied (COMPLETE deletes)"
             ),
             Err(status) => {
                 assert_eq!(status.code(), Code::InvalidArgument, "{id}: {status:?}");
@@ -342,10 +343,17 @@ async fn one_bad_report_fails_only_its_own_request(backend: Backend) {
     let err = client.set_task_status(overlong.clone()).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     // A batch with one bad id is refused whole, before anything is written.
+    insert(api.store.as_ref(), &[row("unreported")]).await;
+    let held = api
+        .store
+        .claim_for_push(BucketRange::ALL, 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(held.len(), 1);
     let err = client
         .set_batch_activation_status(SetBatchActivationStatusRequest {
             updates: vec![
-                set_status("report-0", TaskActivationStatus::Failure),
+                set_status("unreported", TaskActivationStatus::Retry),
                 overlong,
             ],
         })
@@ -353,8 +361,8 @@ async fn one_bad_report_fails_only_its_own_request(backend: Backend) {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert_eq!(
-        api.status("report-0").await,
-        Some(ActivationStatus::Complete)
+        api.status("unreported").await,
+        Some(ActivationStatus::Claimed)
     );
 }
 
@@ -433,11 +441,9 @@ async fn batch_skips_unknown_and_empty_ids_and_applies_the_rest() {
         .set_batch_activation_status(request.clone())
         .await
         .unwrap();
-    assert_eq!(
-        api.status("batch-0").await,
-        Some(ActivationStatus::Complete)
-    );
-    assert_eq!(api.status("batch-1").await, Some(ActivationStatus::Failure));
+    // COMPLETE and FAILURE of a discarding task delete their rows.
+    assert_eq!(api.status("batch-0").await, None);
+    assert_eq!(api.status("batch-1").await, None);
     assert_eq!(api.status("batch-2").await, Some(ActivationStatus::Retry));
     // Worker runtimes re-send a batch until it succeeds: still OK.
     client.set_batch_activation_status(request).await.unwrap();

@@ -441,11 +441,8 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     let mut refused = Vec::new();
     for (id, answer) in ids.iter().zip(answers) {
         match answer {
-            Ok(()) => assert_eq!(
-                store.get(id).await.expect("get").map(|row| row.status),
-                Some(ActivationStatus::Complete),
-                "{id}"
-            ),
+            // Written: COMPLETE deletes the row.
+            Ok(()) => assert_eq!(store.get(id).await.expect("get"), None, "{id}"),
             Err(err) => {
                 assert!(!err.is_unavailable(), "{id}: {err}");
                 refused.push(id.clone());
@@ -504,12 +501,13 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
     for (index, id) in ids.iter().enumerate() {
         let expected = if index == 8 {
             // Refused with its batch: a request fails or succeeds whole.
-            ActivationStatus::Claimed
+            Some(ActivationStatus::Claimed)
         } else {
-            ActivationStatus::Complete
+            // Written: COMPLETE deletes the row.
+            None
         };
         let status = store.get(id).await.expect("get").map(|row| row.status);
-        assert_eq!(status, Some(expected), "{id}");
+        assert_eq!(status, expected, "{id}");
     }
     // The first alone, the combined write that failed, then each of the
     // four requests on its own.

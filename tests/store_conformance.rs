@@ -73,6 +73,7 @@ conformance!(
     pull_claim_filters_by_application_and_namespace,
     pull_claim_skips_expired_rows,
     status_updates_apply_only_to_claimed_or_processing,
+    a_report_that_finishes_the_task_deletes_its_row_and_leaves_upkeep_nothing,
     repeated_status_updates_are_idempotent,
     reports_on_overdue_or_redelivered_rows_count_as_late,
     retry_update_stores_the_edit_and_leaves_the_bytes,
@@ -628,14 +629,10 @@ async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
             late: 0,
         }
     );
-    assert_eq!(
-        status_of(&store, "claimed").await,
-        ActivationStatus::Complete
-    );
-    assert_eq!(
-        status_of(&store, &processing[0]).await,
-        ActivationStatus::Failure
-    );
+    // COMPLETE, and FAILURE of a task that discards (the default), need
+    // nothing more: their rows are gone.
+    assert_eq!(store.get("claimed").await.unwrap(), None);
+    assert_eq!(store.get(&processing[0]).await.unwrap(), None);
     assert_eq!(
         status_of(&store, &processing[1]).await,
         ActivationStatus::Retry
@@ -697,6 +694,60 @@ async fn reports_on_overdue_or_redelivered_rows_count_as_late(store: Store) {
         status_of(&store, "finished").await,
         ActivationStatus::Complete
     );
+    assert_eq!(store.get("redelivered").await.unwrap(), None);
+}
+
+/// The rows a report finishes for good are deleted by the report's own
+/// statement; those still to be published stay for upkeep, and upkeep finds
+/// nothing else to do.
+async fn a_report_that_finishes_the_task_deletes_its_row_and_leaves_upkeep_nothing(store: Store) {
+    let mut rows = rows("end", 5);
+    rows[3].on_attempts_exceeded = OnAttemptsExceeded::Deadletter;
+    rows[4].on_attempts_exceeded = OnAttemptsExceeded::Discard;
+    insert(store.as_ref(), &rows).await;
+    let claimed = claim_all(&store, LEASE).await;
+    // One report on a row still Claimed (the worker was faster than the
+    // mark), the others on Processing rows.
+    store
+        .mark_processing(&tokens(&claimed[1..]), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let outcome = store
+        .set_status(&[
+            StatusUpdate::new("end-0", WorkerStatus::Complete),
+            StatusUpdate::new("end-1", WorkerStatus::Complete),
+            StatusUpdate::new("end-2", WorkerStatus::Retry),
+            StatusUpdate::new("end-3", WorkerStatus::Failure),
+            StatusUpdate::new("end-4", WorkerStatus::Failure),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(outcome.updated, 5);
+    let left: Vec<(String, ActivationStatus)> = {
+        let mut left = Vec::new();
+        for row in &rows {
+            if let Some(stored) = store.get(&row.id).await.unwrap() {
+                left.push((stored.id, stored.status));
+            }
+        }
+        left
+    };
+    assert_eq!(
+        left,
+        [
+            ("end-2".to_owned(), ActivationStatus::Retry),
+            ("end-3".to_owned(), ActivationStatus::Failure),
+        ],
+        "only the rows upkeep must still publish remain"
+    );
+    assert_eq!(store.discard_failures(100).await.unwrap(), 0);
+    assert_eq!(store.remove_completed(100).await.unwrap(), 0);
+    // A report arriving after the delete finds no row.
+    let again = store
+        .set_status(&[StatusUpdate::new("end-0", WorkerStatus::Complete)])
+        .await
+        .unwrap();
+    assert_eq!((again.updated, again.missing), (0, 1));
 }
 
 async fn repeated_status_updates_are_idempotent(store: Store) {
@@ -704,10 +755,16 @@ async fn repeated_status_updates_are_idempotent(store: Store) {
     let update = [StatusUpdate::new(ids[0].clone(), WorkerStatus::Complete)];
     let first = store.set_status(&update).await.unwrap();
     let second = store.set_status(&update).await.unwrap();
+    // The first report finished (and deleted) the row.
+    assert_eq!((first.updated, second.updated, second.missing), (1, 0, 1));
+    let retry = [StatusUpdate::new(ids[0].clone(), WorkerStatus::Retry)];
+    assert_eq!(store.set_status(&retry).await.unwrap().missing, 1);
+    // A RETRY leaves its row; a second report on it is ignored.
+    let kept = processing(&store, "twice-retry", 1).await;
+    let retry = [StatusUpdate::new(kept[0].clone(), WorkerStatus::Retry)];
+    let first = store.set_status(&retry).await.unwrap();
+    let second = store.set_status(&retry).await.unwrap();
     assert_eq!((first.updated, second.updated, second.ignored), (1, 0, 1));
-    store.remove_completed(100).await.unwrap();
-    let third = store.set_status(&update).await.unwrap();
-    assert_eq!(third.missing, 1);
 }
 
 async fn retry_update_stores_the_edit_and_leaves_the_bytes(store: Store) {
@@ -795,9 +852,9 @@ async fn retry_edits_are_kept_per_row_and_only_with_retry(store: Store) {
         },
         "every u64 delay reads back exactly"
     );
-    assert_eq!(edit_of(&ids[2]).await, RetryEdit::default());
-    assert_eq!(edit_of(&ids[3]).await, RetryEdit::default());
-    assert_eq!(status_of(&store, &ids[2]).await, ActivationStatus::Failure);
+    // FAILURE (of a task that discards) and COMPLETE finished their rows.
+    assert_eq!(store.get(&ids[2]).await.unwrap(), None);
+    assert_eq!(store.get(&ids[3]).await.unwrap(), None);
 
     // A late report for a row no longer handed out edits nothing.
     let late = store

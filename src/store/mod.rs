@@ -237,7 +237,11 @@ pub trait ActivationStore: Send + Sync + 'static {
     ) -> StoreResult<u64>;
 
     /// Worker results. Only rows in Claimed or Processing change; others are
-    /// counted as ignored (wrong status) or missing (no such id). A RETRY
+    /// counted as ignored (wrong status) or missing (no such id). A result
+    /// that needs nothing more (COMPLETE, or FAILURE of a task that
+    /// discards) deletes the row in the same statement, so upkeep never
+    /// sees it; RETRY and dead-lettering FAILURE rows stay until upkeep has
+    /// published them. A RETRY
     /// update's `max_attempts` / `delay_on_retry` are stored with the row
     /// (its `retry_edit`), fenced the same way; the stored activation bytes
     /// are never rewritten.

@@ -121,10 +121,13 @@ pub(super) const DEFER_CLAIMS: &str = concat!(
 );
 
 // Counts are over distinct ids; `existing` is read from the statement's
-// snapshot, i.e. before the update. `late` marks reports that likely come
+// snapshot, i.e. before the writes. `late` marks reports that likely come
 // from an earlier delivery (the row is past its processing deadline, or was
 // delivered before): `held` keeps the locked row's values from before the
-// update, so the count needs no second query.
+// writes, so the count needs no second query. A report that finishes the
+// task for good (COMPLETE, or FAILURE of a task that discards) deletes the
+// row in this statement; RETRY and dead-lettering FAILURE rows stay for
+// upkeep to publish.
 macro_rules! set_status {
     ($reports:literal, $set:literal) => {
         concat!(
@@ -133,18 +136,25 @@ macro_rules! set_status {
             "), \
              held AS MATERIALIZED (SELECT t.id, \
                  (t.status = 'Processing' AND t.processing_deadline < now()) \
-                   OR t.processing_attempts > 0 AS late \
+                   OR t.processing_attempts > 0 AS late, \
+                 u.status = 'Complete' \
+                   OR (u.status = 'Failure' AND t.on_attempts_exceeded <> 2) AS finished \
                FROM inflight_taskactivations t JOIN u ON t.id = u.id \
                WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
+             deleted AS (DELETE FROM inflight_taskactivations t USING held \
+               WHERE t.id = held.id AND held.finished AND t.status IN ('Claimed', 'Processing') \
+               RETURNING held.late), \
              updated AS (UPDATE inflight_taskactivations t SET status = u.status",
             $set,
             " FROM u, held \
-               WHERE t.id = u.id AND t.id = held.id AND t.status IN ('Claimed', 'Processing') \
-               RETURNING held.late) \
+               WHERE t.id = u.id AND t.id = held.id AND NOT held.finished \
+                 AND t.status IN ('Claimed', 'Processing') \
+               RETURNING held.late), \
+             written AS (SELECT late FROM deleted UNION ALL SELECT late FROM updated) \
              SELECT (SELECT count(*) FROM u), \
                     (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
-                    (SELECT count(*) FROM updated), \
-                    (SELECT count(*) FROM updated WHERE late)"
+                    (SELECT count(*) FROM written), \
+                    (SELECT count(*) FROM written WHERE late)"
         )
     };
 }

@@ -5,8 +5,8 @@
 use rusqlite::{Connection, ErrorCode, OptionalExtension, ToSql, params};
 
 use super::rows::{activation_from_row, json_tokens, now_micros};
-use super::sql::{EXISTS, SET_STATUS, SET_STATUS_WITH_EDIT};
-use crate::model::{ClaimToken, InflightActivation, StatusUpdate};
+use super::sql::{DELETE_FINISHED, EXISTS, SET_STATUS, SET_STATUS_WITH_EDIT};
+use crate::model::{ClaimToken, InflightActivation, StatusUpdate, WorkerStatus};
 use crate::store::{StoreError, StoreResult, retry_edit_columns};
 
 /// Lock contention and I/O trouble (disk full, file gone) may pass:
@@ -108,8 +108,10 @@ pub(super) fn fenced(
 }
 
 /// Applies one worker report if its row is handed out (Claimed or
-/// Processing): `Some(late)` when it applied, `None` otherwise. A RETRY
-/// report's edit is stored with the row by the same statement.
+/// Processing): `Some(late)` when it applied, `None` otherwise. A report
+/// that finishes the task for good (COMPLETE, or FAILURE of a task that
+/// discards) deletes the row; a RETRY report's edit is stored with the row
+/// by the same statement.
 pub(super) fn apply_report(
     connection: &Connection,
     update: &StatusUpdate,
@@ -117,21 +119,33 @@ pub(super) fn apply_report(
     const OP: &str = "set_status";
     let status = update.status.as_status().as_str();
     let now = now_micros();
-    let (edit_attempts, edit_delay) = retry_edit_columns(&update.retry_edit());
-    let (sql, params): (&str, Vec<&dyn ToSql>) = if update.edits_retry_state() {
-        let params: Vec<&dyn ToSql> = vec![&update.id, &status, &now, &edit_attempts, &edit_delay];
-        (SET_STATUS_WITH_EDIT, params)
-    } else {
-        (SET_STATUS, vec![&update.id, &status, &now])
+    let single_row = |sql: &str, params: &[&dyn ToSql]| {
+        connection
+            .prepare_cached(sql)
+            .and_then(|mut statement| statement.query_row(params, |row| row.get(0)).optional())
+            .map_err(|e| sql_error(OP, e))
     };
-    connection
-        .prepare_cached(sql)
-        .and_then(|mut statement| {
-            statement
-                .query_row(params.as_slice(), |row| row.get(0))
-                .optional()
-        })
-        .map_err(|e| sql_error(OP, e))
+    match update.status {
+        WorkerStatus::Complete => {
+            return single_row(DELETE_FINISHED, &[&update.id, &status, &now]);
+        }
+        // Only a discarding task's row goes; a dead-lettered one stays.
+        WorkerStatus::Failure => {
+            if let Some(late) = single_row(DELETE_FINISHED, &[&update.id, &status, &now])? {
+                return Ok(Some(late));
+            }
+        }
+        WorkerStatus::Retry => {}
+    }
+    let (edit_attempts, edit_delay) = retry_edit_columns(&update.retry_edit());
+    if update.edits_retry_state() {
+        single_row(
+            SET_STATUS_WITH_EDIT,
+            &[&update.id, &status, &now, &edit_attempts, &edit_delay],
+        )
+    } else {
+        single_row(SET_STATUS, &[&update.id, &status, &now])
+    }
 }
 
 /// Whether a row with this id exists (for `set_status`'s counts).

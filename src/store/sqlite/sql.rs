@@ -115,6 +115,14 @@ pub(super) const SET_STATUS_WITH_EDIT: &str = set_status!(
      retry_delay_on_retry = coalesce(?5, retry_delay_on_retry)"
 );
 
+// A report that finishes the task for good (`?2`: COMPLETE, or FAILURE of
+// a task that discards) deletes its handed-out row instead; `late` as above.
+pub(super) const DELETE_FINISHED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
+       AND (?2 = 'Complete' OR (?2 = 'Failure' AND on_attempts_exceeded <> 2)) \
+     RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
+       OR processing_attempts > 0";
+
 pub(super) const EXISTS: &str = "SELECT 1 FROM inflight_taskactivations WHERE id = ?1";
 
 pub(super) const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations \

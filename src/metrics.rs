@@ -45,6 +45,12 @@ pub struct Metrics {
     pub received_to_claimed: Histogram,
     /// Time from `received_at` until a worker accepted the push.
     pub received_to_pushed: Histogram,
+    /// Time a task spends in each stage of its way, by stage (see
+    /// [`labels::STAGES`]), so a slow end-to-end figure can be explained.
+    pub stages: HistogramVec,
+    /// Accepted pushes whose Claimed → Processing write was not needed: the
+    /// worker's report had already arrived.
+    pub marks_skipped: IntCounter,
     /// Consumed records by result (stored, duplicate, invalid, expired).
     pub consumer_records: IntCounterVec,
     /// Invalid consumed records by reason.
@@ -94,6 +100,16 @@ pub struct Metrics {
 /// created with every value at zero (`Metrics::new`); a value missing here
 /// still works, it only appears once first used.
 pub mod labels {
+    /// `taskbroker_stage_seconds{stage}`: received_at → stored (consumer),
+    /// stored → claimed (FetchActor), claimed → pushed (push pool, to the
+    /// worker's acceptance), pushed → reported (StoreActor, from sending
+    /// the push to the worker's report arriving).
+    pub const STAGES: &[&str] = &[
+        "received_to_stored",
+        "stored_to_claimed",
+        "claimed_to_pushed",
+        "pushed_to_reported",
+    ];
     /// `taskbroker_push_submits_total{result}` (FetchActor).
     pub const SUBMIT_RESULTS: &[&str] = &["ok", "full", "timeout", "closed"];
     /// `taskbroker_claims_released_total{reason}`: FetchActor (queue_*),
@@ -246,6 +262,13 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
+/// Finer at the low end than [`LATENCY_BUCKETS`]: a stage of a healthy
+/// broker takes milliseconds, and its p99 is read from these.
+const STAGE_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
 fn counter(name: &str, help: &str) -> IntCounter {
     IntCounter::new(name, help).expect("valid metric definition")
 }
@@ -345,6 +368,20 @@ impl Metrics {
             "taskbroker_received_to_pushed_seconds",
             "Time from an activation's received_at until a worker accepted it.",
             LATENCY_BUCKETS,
+        );
+        let stages = HistogramVec::new(
+            HistogramOpts::new(
+                "taskbroker_stage_seconds",
+                "Time a task spent in each stage: received_to_stored, stored_to_claimed, \
+                 claimed_to_pushed, pushed_to_reported.",
+            )
+            .buckets(STAGE_BUCKETS.to_vec()),
+            &["stage"],
+        )
+        .expect("valid metric definition");
+        let marks_skipped = counter(
+            "taskbroker_marks_skipped_total",
+            "Accepted pushes whose Claimed to Processing write was skipped: the worker had already reported.",
         );
         let consumer_records = counter_vec(
             "taskbroker_consumer_records_total",
@@ -479,6 +516,8 @@ impl Metrics {
             Box::new(push_no_route.clone()),
             Box::new(received_to_claimed.clone()),
             Box::new(received_to_pushed.clone()),
+            Box::new(stages.clone()),
+            Box::new(marks_skipped.clone()),
         ] {
             registry
                 .register(collector)
@@ -499,6 +538,8 @@ impl Metrics {
             push_no_route,
             received_to_claimed,
             received_to_pushed,
+            stages,
+            marks_skipped,
             consumer_records,
             invalid_records,
             ingest_dead_letters,
@@ -541,6 +582,9 @@ impl Metrics {
             for value in values {
                 counter.with_label_values(&[value]);
             }
+        }
+        for stage in STAGES {
+            self.stages.with_label_values(&[stage]);
         }
         for step in UPKEEP_STEPS {
             self.upkeep_duration.with_label_values(&[step]);
@@ -620,6 +664,14 @@ impl Metrics {
         }
     }
 
+    /// One task's time in `stage` (one of [`labels::STAGES`]); a negative
+    /// span (clocks of different hosts) counts as zero.
+    pub fn observe_stage(&self, stage: &str, seconds: f64) {
+        self.stages
+            .with_label_values(&[stage])
+            .observe(seconds.max(0.0));
+    }
+
     /// How many times a store operation ran (successfully or not).
     pub fn store_calls(&self, operation: &str) -> u64 {
         self.store_duration
@@ -664,7 +716,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 30, "{text}");
+        assert_eq!(families, 32, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

@@ -278,6 +278,7 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
         .call(MarkPushed {
             claim: old.clone(),
             deadline_grace: grace,
+            pushed_at: std::time::Instant::now(),
         })
         .await;
     assert_eq!(late, Ok(false), "a stale success changes nothing");
@@ -295,6 +296,7 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
         .call(MarkPushed {
             claim: current,
             deadline_grace: grace,
+            pushed_at: std::time::Instant::now(),
         })
         .await;
     assert_eq!(fresh, Ok(true));
@@ -365,6 +367,7 @@ async fn concurrent_push_successes_are_combined_into_few_statements() {
         harness.store_actor.call(MarkPushed {
             claim: row.claim_token().unwrap(),
             deadline_grace: Duration::from_secs(1),
+            pushed_at: std::time::Instant::now(),
         })
     }))
     .await;

@@ -519,3 +519,179 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
         .get();
     assert_eq!(updated, VALID as u64 - 1);
 }
+
+/// A worker's report that arrives after its push was sent makes the push's
+/// Claimed → Processing write moot: the mark is answered without a
+/// statement, whether the report came before the mark or while the mark
+/// waited to be combined. A report that came before the push was sent (of
+/// an earlier delivery, applied before this claim) saves nothing: that
+/// mark is written, so no claim is left unmarked by a report it never saw.
+#[actix_rt::test]
+async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
+    use std::time::Instant;
+    use taskbroker::actors::store::MarkPushed;
+
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    common::insert(store.as_ref(), &common::rows("skip", 4)).await;
+    let (addr, metrics) = start_actor(store.clone());
+    // skip-3 is reported while still Pending (ignored), before its claim.
+    addr.call(ReportStatus::one(StatusUpdate::new(
+        "skip-3",
+        WorkerStatus::Complete,
+    )))
+    .await
+    .expect("report");
+    let claimed = addr
+        .call(ClaimBatch {
+            buckets: BucketRange::ALL,
+            limit: 4,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .expect("claim");
+    let token = |id: &str| {
+        claimed
+            .iter()
+            .find(|row| row.id == id)
+            .and_then(|row| row.claim_token())
+            .expect("claimed")
+    };
+    let pushed_at = Instant::now();
+    let mark = |id: &str| MarkPushed {
+        claim: token(id),
+        deadline_grace: Duration::from_secs(1),
+        pushed_at,
+    };
+
+    // The report first, then the mark: no statement.
+    addr.call(ReportStatus::one(StatusUpdate::new(
+        "skip-0",
+        WorkerStatus::Complete,
+    )))
+    .await
+    .expect("report");
+    assert_eq!(addr.call(mark("skip-0")).await, Ok(true));
+    assert_eq!(metrics.store_calls("mark_processing"), 0);
+    assert_eq!(metrics.marks_skipped.get(), 1);
+
+    // A mark waiting behind another mark's write when the report comes.
+    let held = HeldTable::hold(&db).await;
+    let first = addr.call(mark("skip-1"));
+    held.wait_for(1, "the first mark's write waits").await;
+    let waiting = addr.call(mark("skip-2"));
+    let report = addr.call(ReportStatus::one(StatusUpdate::new(
+        "skip-2",
+        WorkerStatus::Complete,
+    )));
+    held.wait_for(2, "the report's write waits too").await;
+    held.locker.batch_execute("COMMIT").await.expect("unlock");
+    assert_eq!(within_deadline("first mark", first).await, Ok(true));
+    assert_eq!(within_deadline("waiting mark", waiting).await, Ok(true));
+    within_deadline("report", report).await.expect("report");
+    assert_eq!(metrics.store_calls("mark_processing"), 1, "skip-1 only");
+    assert_eq!(metrics.marks_skipped.get(), 2);
+
+    // Reported before the push was sent: the mark is written.
+    assert_eq!(
+        addr.call(MarkPushed {
+            pushed_at: Instant::now(),
+            ..mark("skip-3")
+        })
+        .await,
+        Ok(true)
+    );
+    assert_eq!(metrics.store_calls("mark_processing"), 2);
+    let status = |id: &'static str| {
+        let store = Arc::clone(&store);
+        async move { store.get(id).await.expect("get").map(|row| row.status) }
+    };
+    assert_eq!(status("skip-0").await, None);
+    assert_eq!(status("skip-1").await, Some(ActivationStatus::Processing));
+    assert_eq!(status("skip-2").await, None);
+    assert_eq!(status("skip-3").await, Some(ActivationStatus::Processing));
+    // The two reports that followed their push timed that stage.
+    let stage = |name: &str| metrics.stages.with_label_values(&[name]).get_sample_count();
+    assert_eq!(stage("pushed_to_reported"), 2, "skip-0 and skip-2");
+}
+
+/// The database work one task costs on the common path, counted (not
+/// timed) on a fixed workload of 64 tasks through the StoreActor: one
+/// insert, one claim, one report statement for the batch; per task one row
+/// inserted, one updated (the claim) and one deleted (the report), with
+/// the marks of tasks reported first skipped and nothing left for upkeep.
+/// PostgreSQL's own table statistics count the rows.
+#[actix_rt::test]
+async fn a_reported_task_costs_one_insert_one_update_and_one_delete() {
+    use std::time::Instant;
+    use taskbroker::actors::store::MarkPushed;
+    const N: usize = 64;
+
+    let db = TestDb::new().await;
+    let store = db.store().await;
+    let (addr, metrics) = start_actor(store.clone());
+    let rows = common::rows("cost", N);
+    addr.call(InsertBatch {
+        rows: Arc::new(rows),
+    })
+    .await
+    .expect("insert");
+    let claimed = addr
+        .call(ClaimBatch {
+            buckets: BucketRange::ALL,
+            limit: N,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), N);
+    let pushed_at = Instant::now();
+    addr.call(ReportStatus {
+        updates: claimed
+            .iter()
+            .map(|row| StatusUpdate::new(row.id.as_str(), WorkerStatus::Complete))
+            .collect(),
+    })
+    .await
+    .expect("report");
+    for row in &claimed {
+        let mark = MarkPushed {
+            claim: row.claim_token().expect("fence"),
+            deadline_grace: Duration::from_secs(1),
+            pushed_at,
+        };
+        assert_eq!(addr.call(mark).await, Ok(true));
+    }
+    assert_eq!(store.remove_completed(1000).await, Ok(0));
+    assert_eq!(store.discard_failures(1000).await, Ok(0));
+    let statements: Vec<u64> = [
+        "insert_batch",
+        "claim_for_push",
+        "mark_processing",
+        "set_status",
+    ]
+    .iter()
+    .map(|operation| metrics.store_calls(operation))
+    .collect();
+    assert_eq!(statements, [1, 1, 0, 1]);
+
+    // A backend flushes its table statistics when it exits: close the pool
+    // and wait for its connections to end before reading them.
+    drop((addr, store));
+    let admin = common::connect(&common::admin_url()).await;
+    let deadline = Deadline::start("the store's connections have closed");
+    while backends_on(&admin, &db.name).await > 0 {
+        deadline.pause().await;
+    }
+    let client = db.client().await;
+    let row = client
+        .query_one(
+            "SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables \
+             WHERE relname = 'inflight_taskactivations'",
+            &[],
+        )
+        .await
+        .expect("read table statistics");
+    let rows_touched: (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(rows_touched, (N as i64, N as i64, N as i64));
+}

@@ -97,6 +97,9 @@ impl ClaimRegistry {
 /// One claimed activation's fence, releasing itself if dropped while armed.
 pub struct ClaimGuard {
     token: Option<ClaimToken>,
+    /// When the claim was handed to this guard (just after the claim
+    /// statement returned), for the claimed → pushed stage.
+    claimed_at: std::time::Instant,
     registry: ClaimRegistry,
     store: StoreHandle,
     metrics: Arc<Metrics>,
@@ -112,6 +115,7 @@ impl ClaimGuard {
         registry.insert(token.clone());
         ClaimGuard {
             token: Some(token),
+            claimed_at: std::time::Instant::now(),
             registry,
             store,
             metrics,
@@ -122,6 +126,10 @@ impl ClaimGuard {
         self.token
             .as_ref()
             .unwrap_or_else(|| unreachable!("a guard holds its token until it is consumed"))
+    }
+
+    pub fn claimed_at(&self) -> std::time::Instant {
+        self.claimed_at
     }
 
     /// The write ending this claim completed (or was handed to a statement

@@ -256,6 +256,9 @@ impl Submitter {
             self.metrics
                 .received_to_claimed
                 .observe(age.as_seconds_f64().max(0.0));
+            let stored_for = now - activation.added_at;
+            self.metrics
+                .observe_stage("stored_to_claimed", stored_for.as_seconds_f64());
             let claim = ClaimGuard::new(
                 token,
                 self.registry.clone(),

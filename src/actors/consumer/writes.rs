@@ -90,7 +90,14 @@ impl ConsumeLoop {
             });
             let pause = backoff.next();
             match self.attempt(insert).await.ok_or(Stopped)? {
-                Ok(stored) => return Ok(Inserted::Stored(stored)),
+                Ok(stored) => {
+                    let now = chrono::Utc::now();
+                    for row in rows.iter() {
+                        let waited = (now - row.received_at).as_seconds_f64();
+                        self.metrics.observe_stage("received_to_stored", waited);
+                    }
+                    return Ok(Inserted::Stored(stored));
+                }
                 Err(err @ StoreError::Rejected { .. }) => {
                     tracing::warn!(error = %err, rows = rows.len(), "the store refused a consumed batch; isolating the refused rows");
                     return Ok(Inserted::Rejected(err));

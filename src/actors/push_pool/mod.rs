@@ -386,7 +386,9 @@ impl PushShared {
                 self.metrics
                     .received_to_pushed
                     .observe(age.as_seconds_f64().max(0.0));
-                self.mark_pushed(claim).await;
+                let claimed_for = claim.claimed_at().elapsed().as_secs_f64();
+                self.metrics.observe_stage("claimed_to_pushed", claimed_for);
+                self.mark_pushed(claim, started).await;
             }
             PushOutcome::NotSent(_) => self.undo(claim).await,
             PushOutcome::Unknown(_) if at_most_once => {
@@ -398,12 +400,13 @@ impl PushShared {
         }
     }
 
-    async fn mark_pushed(&self, claim: ClaimGuard) {
+    async fn mark_pushed(&self, claim: ClaimGuard, pushed_at: Instant) {
         let moved = self
             .store
             .call(MarkPushed {
                 claim: claim.token().clone(),
                 deadline_grace: self.config.deadline_grace,
+                pushed_at: pushed_at.into_std(),
             })
             .await;
         match moved {

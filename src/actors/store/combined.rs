@@ -6,8 +6,16 @@
 //! way to mark a claim Processing, [`ReportStatus`] the one way to write
 //! workers' results (a single report or a batch: one request is one caller's
 //! updates).
+//!
+//! Marks and reports meet here, which saves most marks: a worker usually
+//! reports a short task before its push's answer has come back and been
+//! marked. A mark whose task's report arrived after the push was sent is
+//! answered at once without a write ([`Recent`]): the report, which
+//! applies to Claimed and Processing rows alike, ends the row either way, so
+//! writing Processing first would only be undone. Fences are untouched: a
+//! skipped mark writes nothing, so it cannot let a stale claim win.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +77,23 @@ impl<T, R> CombinedWrites<T, R> {
 
     /// The next batch to write, if none is being written: requests in order
     /// until their `weight` would pass [`MAX_COMBINED`], at least one.
+    /// Answers the waiting requests that `early` settles without a write,
+    /// and takes them out of the queue. Returns how many it answered.
+    fn answer_early(&mut self, early: impl Fn(&T) -> Option<R>) -> usize {
+        let mut answered = 0;
+        let waiting = std::mem::take(&mut self.waiting);
+        for (item, reply) in waiting {
+            match early(&item) {
+                Some(result) => {
+                    let _ = reply.send(Ok(result));
+                    answered += 1;
+                }
+                None => self.waiting.push((item, reply)),
+            }
+        }
+        answered
+    }
+
     fn take_batch(&mut self, weight: impl Fn(&T) -> usize) -> Option<Waiting<T, R>> {
         if self.flushing || self.waiting.is_empty() {
             return None;
@@ -89,13 +114,109 @@ impl<T, R> CombinedWrites<T, R> {
     }
 }
 
+/// How many workers' reports [`RecentReports`] remembers, and for how long.
+/// A mark comes within one push of its report, milliseconds at most
+/// seconds, so a short memory saves nearly every mark it can; a report
+/// forgotten too early only costs the write it would have saved.
+const RECENT_REPORTS_KEPT: usize = 16_384;
+const RECENT_REPORTS_FOR: Duration = Duration::from_secs(10);
+/// How many marked pushes are remembered until their report, for the
+/// pushed → reported stage; a task running longer than this, or beyond
+/// this many in flight, is not measured.
+const RECENT_PUSHES_KEPT: usize = 16_384;
+const RECENT_PUSHES_FOR: Duration = Duration::from_secs(300);
+
+/// Task ids with an instant each, remembered up to a count and an age.
+pub(super) struct RecentIds {
+    at: HashMap<String, Instant>,
+    order: VecDeque<(Instant, String)>,
+    kept: usize,
+    kept_for: Duration,
+}
+
+impl RecentIds {
+    fn new(kept: usize, kept_for: Duration) -> Self {
+        RecentIds {
+            at: HashMap::new(),
+            order: VecDeque::new(),
+            kept,
+            kept_for,
+        }
+    }
+
+    fn record(&mut self, id: &str, at: Instant, now: Instant) {
+        self.at.insert(id.to_owned(), at);
+        self.order.push_back((at, id.to_owned()));
+        while let Some((oldest, _)) = self.order.front() {
+            if self.order.len() <= self.kept
+                && now.saturating_duration_since(*oldest) < self.kept_for
+            {
+                break;
+            }
+            let (oldest, id) = self.order.pop_front().expect("front exists");
+            // A later entry for the same id keeps its own instant.
+            if self.at.get(&id) == Some(&oldest) {
+                self.at.remove(&id);
+            }
+        }
+    }
+
+    fn get(&self, id: &str) -> Option<Instant> {
+        self.at.get(id).copied()
+    }
+
+    /// Forgets `id` (its queue entry goes when it reaches the front).
+    fn take(&mut self, id: &str) -> Option<Instant> {
+        self.at.remove(id)
+    }
+}
+
+/// What the write combiner remembers across messages: when recent reports
+/// arrived (to skip marks they make moot) and when marked pushes were sent
+/// (to time the pushed → reported stage).
+pub(super) struct Recent {
+    reports: RecentIds,
+    pushes: RecentIds,
+}
+
+impl Default for Recent {
+    fn default() -> Self {
+        Recent {
+            reports: RecentIds::new(RECENT_REPORTS_KEPT, RECENT_REPORTS_FOR),
+            pushes: RecentIds::new(RECENT_PUSHES_KEPT, RECENT_PUSHES_FOR),
+        }
+    }
+}
+
+impl Recent {
+    /// When a report for `id` arrived, if at or after `since`.
+    fn reported_since(&self, id: &str, since: Instant) -> Option<Instant> {
+        self.reports.get(id).filter(|arrived| *arrived >= since)
+    }
+
+    fn reports_arrived<'a>(&mut self, ids: impl IntoIterator<Item = &'a str>, metrics: &Metrics) {
+        let now = Instant::now();
+        for id in ids {
+            self.reports.record(id, now, now);
+            if let Some(pushed_at) = self.pushes.take(id) {
+                metrics.observe_stage("pushed_to_reported", (now - pushed_at).as_secs_f64());
+            }
+        }
+    }
+}
+
 /// A push succeeded: fenced Claimed → Processing, combined with other
 /// pushes' writes into one statement. Answers whether this claim still held
-/// the row (`false`: stale, the row was claimed again or released).
+/// the row (`false`: stale, the row was claimed again or released). A mark
+/// whose task was reported after `pushed_at` is answered `true` without a
+/// write (see the module docs).
 #[derive(Debug)]
 pub struct MarkPushed {
     pub claim: ClaimToken,
     pub deadline_grace: Duration,
+    /// When the push was sent: a report arriving later belongs to this
+    /// delivery or an earlier one, and is written after this claim was made.
+    pub pushed_at: Instant,
 }
 
 impl Message for MarkPushed {
@@ -111,9 +232,19 @@ impl Handler<MarkPushed> for StoreActor {
     type Result = ResponseFuture<StoreResult<bool>>;
 
     fn handle(&mut self, msg: MarkPushed, ctx: &mut Self::Context) -> Self::Result {
-        let answer = self
-            .pushed
-            .push((msg.claim, msg.deadline_grace), MarkPushed::OPERATION);
+        if let Some(arrived) = self.recent.reported_since(&msg.claim.id, msg.pushed_at) {
+            self.metrics.marks_skipped.inc();
+            let waited = arrived.saturating_duration_since(msg.pushed_at);
+            self.metrics
+                .observe_stage("pushed_to_reported", waited.as_secs_f64());
+            return Box::pin(async { Ok(true) });
+        }
+        let now = Instant::now();
+        self.recent.pushes.record(&msg.claim.id, msg.pushed_at, now);
+        let answer = self.pushed.push(
+            (msg.claim, msg.deadline_grace, msg.pushed_at),
+            MarkPushed::OPERATION,
+        );
         self.flush_pushed(ctx);
         answer
     }
@@ -156,6 +287,10 @@ impl Handler<ReportStatus> for StoreActor {
         if msg.updates.is_empty() {
             return Box::pin(async { Ok(()) });
         }
+        self.recent.reports_arrived(
+            msg.updates.iter().map(|update| update.id.as_str()),
+            &self.metrics,
+        );
         let answer = self.reported.push(msg.updates, ReportStatus::OPERATION);
         self.flush_reported(ctx);
         answer
@@ -200,6 +335,16 @@ impl StoreActor {
     }
 
     fn flush_pushed(&mut self, ctx: &mut Context<Self>) {
+        if self.pushed.flushing {
+            return;
+        }
+        // Reports that came in while these marks waited make them moot
+        // (their stage was timed when the report arrived).
+        let recent = &self.recent;
+        let skipped = self.pushed.answer_early(|(claim, _, pushed_at)| {
+            recent.reported_since(&claim.id, *pushed_at).map(|_| true)
+        });
+        self.metrics.marks_skipped.inc_by(skipped as u64);
         let Some(batch) = self.pushed.take_batch(|_| 1) else {
             return;
         };
@@ -207,10 +352,13 @@ impl StoreActor {
         // shortened if callers ever differ.
         let grace = batch
             .iter()
-            .map(|((_, grace), _)| *grace)
+            .map(|((_, grace, _), _)| *grace)
             .max()
             .unwrap_or_default();
-        let claims: Vec<ClaimToken> = batch.iter().map(|((claim, _), _)| claim.clone()).collect();
+        let claims: Vec<ClaimToken> = batch
+            .iter()
+            .map(|((claim, _, _), _)| claim.clone())
+            .collect();
         let store = Arc::clone(&self.store);
         let metrics = Arc::clone(&self.metrics);
         let write = async move {
@@ -227,7 +375,7 @@ impl StoreActor {
             match result {
                 Ok(moved) => {
                     let moved: HashSet<String> = moved.into_iter().collect();
-                    for ((claim, _), reply) in batch {
+                    for ((claim, _, _), reply) in batch {
                         let _ = reply.send(Ok(moved.contains(&claim.id)));
                     }
                 }

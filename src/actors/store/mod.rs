@@ -42,8 +42,9 @@ pub const MAILBOX_CAPACITY: usize = 1024;
 pub struct StoreActor {
     store: Arc<dyn ActivationStore>,
     metrics: Arc<Metrics>,
-    pushed: combined::CombinedWrites<(ClaimToken, Duration), bool>,
+    pushed: combined::CombinedWrites<(ClaimToken, Duration, Instant), bool>,
     reported: combined::CombinedWrites<Vec<StatusUpdate>, ()>,
+    recent: combined::Recent,
 }
 
 impl StoreActor {
@@ -54,6 +55,7 @@ impl StoreActor {
             metrics,
             pushed: Default::default(),
             reported: Default::default(),
+            recent: Default::default(),
         }
     }
 }

@@ -1001,3 +1001,20 @@ async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
     assert_eq!(retried.taskname, small_retry.taskname);
     assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
 }
+
+/// The lag gauge is read every cycle, from indexes; the per-status counts
+/// read the whole table and are refreshed at most every
+/// `STATUS_COUNT_INTERVAL`, however often cycles run.
+#[actix_rt::test]
+async fn cycles_read_the_lag_each_time_and_count_the_table_at_most_every_interval() {
+    let harness = Harness::new().await;
+    let upkeep = harness.start_upkeep(UpkeepConfig {
+        interval: MANUAL,
+        ..harness.config()
+    });
+    for done in 1..=5 {
+        harness.run_next_cycle(&upkeep, done).await;
+    }
+    assert_eq!(harness.metrics.store_calls("max_pending_lag"), 6);
+    assert_eq!(harness.metrics.store_calls("count_by_status"), 1);
+}

@@ -25,6 +25,10 @@
 //! completed instead. A retry's id follows from the original id and attempt
 //! (`retry_activation`), so a row published twice yields one task.
 //!
+//! Each cycle also refreshes the max-lag gauge (from indexes); the
+//! per-status counts, which read the whole table, are refreshed at most
+//! every [`STATUS_COUNT_INTERVAL`].
+//!
 //! Right after startup, claim-lease and processing-deadline expiry wait
 //! `RESTART_GRACE_SEC`, so workers can still report results for tasks they
 //! received before the restart.
@@ -37,6 +41,12 @@ use actix::prelude::*;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::FutureRecord;
 use tokio::time::Instant;
+
+/// How often upkeep counts the rows per status for
+/// `taskbroker_activations`. Counting reads the whole table (13 % of the
+/// database's time at 100,000 rows when it ran every second), so the gauge
+/// is refreshed less often than the cycle runs.
+pub const STATUS_COUNT_INTERVAL: Duration = Duration::from_secs(10);
 
 use super::fetch::WakeFetch;
 use super::store::{
@@ -88,6 +98,8 @@ pub struct UpkeepActor {
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     started_at: Instant,
+    /// When the rows per status were last counted.
+    counted_at: Option<Instant>,
     step_budget: Duration,
     running: bool,
     publishing: Arc<AtomicBool>,
@@ -113,6 +125,7 @@ impl UpkeepActor {
             wake,
             metrics,
             started_at: Instant::now(),
+            counted_at: None,
             step_budget: interval,
             running: false,
             publishing: Arc::new(AtomicBool::new(false)),
@@ -154,6 +167,12 @@ impl Handler<RunUpkeep> for UpkeepActor {
             ctx.cancel_future(next);
         }
         self.running = true;
+        let count_statuses = self
+            .counted_at
+            .is_none_or(|at| at.elapsed() >= STATUS_COUNT_INTERVAL);
+        if count_statuses {
+            self.counted_at = Some(Instant::now());
+        }
         let cycle = Arc::new(Cycle {
             config: self.config.clone(),
             store: self.store.clone(),
@@ -161,6 +180,7 @@ impl Handler<RunUpkeep> for UpkeepActor {
             metrics: Arc::clone(&self.metrics),
             expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
             step_budget: self.step_budget,
+            count_statuses,
         });
         // Publishing waits for Kafka's acknowledgements, which take up to the
         // delivery timeout while Kafka is down: it runs beside the cycle (one
@@ -208,6 +228,8 @@ struct Cycle {
     metrics: Arc<Metrics>,
     expiry_allowed: bool,
     step_budget: Duration,
+    /// Whether this cycle counts the rows per status.
+    count_statuses: bool,
 }
 
 /// One step's passes within a cycle: whether to run another, and what the
@@ -495,9 +517,11 @@ impl Cycle {
     }
 
     async fn refresh_gauges(&self) {
-        match self.store.call(CountByStatus {}).await {
-            Ok(counts) => self.metrics.set_status_counts(counts.by_status()),
-            Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
+        if self.count_statuses {
+            match self.store.call(CountByStatus {}).await {
+                Ok(counts) => self.metrics.set_status_counts(counts.by_status()),
+                Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
+            }
         }
         match self.store.call(MaxPendingLag {}).await {
             Ok(lag) => self.metrics.max_lag_seconds.set(lag),

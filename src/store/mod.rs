@@ -292,7 +292,9 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// Age in seconds of the oldest first-attempt Pending or Claimed row,
     /// measured from when it became runnable (`received_at`, or `delay_until`
-    /// when later); 0 when there is none.
+    /// when later); 0 when there is none. Read from indexes, not the whole
+    /// table: among the 64 first stored Pending rows and the 64 oldest
+    /// claims.
     async fn max_pending_lag(&self) -> StoreResult<f64>;
 
     /// One row by id, for inspection and tests.

@@ -240,10 +240,19 @@ pub(super) const REMOVE_COMPLETED: &str = "WITH picked AS MATERIALIZED (SELECT i
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 
+// Read from the two partial indexes, never the whole table: the 64 oldest
+// stored first-attempt Pending rows (by `added_at`) and the 64 oldest
+// first-attempt claims. The first stored is, but for a delay, the first
+// received, so the oldest runnable row is among them.
 pub(super) const MAX_PENDING_LAG: &str = "SELECT COALESCE(GREATEST(EXTRACT(EPOCH FROM \
-       now() - min(GREATEST(received_at, COALESCE(delay_until, received_at)))), 0), 0)::float8 \
-     FROM inflight_taskactivations \
-     WHERE status IN ('Pending', 'Claimed') AND processing_attempts = 0";
+       now() - min(runnable)), 0), 0)::float8 FROM ( \
+       (SELECT GREATEST(received_at, COALESCE(delay_until, received_at)) AS runnable \
+          FROM inflight_taskactivations WHERE status = 'Pending' AND processing_attempts = 0 \
+          ORDER BY added_at LIMIT 64) \
+       UNION ALL \
+       (SELECT GREATEST(received_at, COALESCE(delay_until, received_at)) \
+          FROM inflight_taskactivations WHERE status = 'Claimed' AND processing_attempts = 0 \
+          ORDER BY claim_expires_at LIMIT 64)) AS oldest";
 
 pub(super) const GET: &str = concat!(
     "SELECT ",

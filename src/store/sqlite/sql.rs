@@ -182,9 +182,16 @@ pub(super) const REMOVE_COMPLETED: &str = "DELETE FROM inflight_taskactivations 
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 
-pub(super) const OLDEST_RUNNABLE: &str = "SELECT min(max(received_at, coalesce(delay_until, received_at))) \
-     FROM inflight_taskactivations \
-     WHERE status IN ('Pending', 'Claimed') AND processing_attempts = 0";
+// From the partial indexes, as PostgreSQL's MAX_PENDING_LAG: the 64 oldest
+// stored first-attempt Pending rows and the 64 oldest first-attempt claims.
+pub(super) const OLDEST_RUNNABLE: &str = "SELECT min(runnable) FROM ( \
+       SELECT * FROM (SELECT max(received_at, coalesce(delay_until, received_at)) AS runnable \
+         FROM inflight_taskactivations WHERE status = 'Pending' AND processing_attempts = 0 \
+         ORDER BY added_at LIMIT 64) \
+       UNION ALL \
+       SELECT * FROM (SELECT max(received_at, coalesce(delay_until, received_at)) \
+         FROM inflight_taskactivations WHERE status = 'Claimed' AND processing_attempts = 0 \
+         ORDER BY claim_expires_at LIMIT 64))";
 
 pub(super) const GET: &str = concat!(
     "SELECT ",

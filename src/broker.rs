@@ -19,6 +19,7 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
+use futures::StreamExt;
 
 use crate::actors::claims::ClaimRegistry;
 use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
@@ -279,6 +280,12 @@ impl Broker {
         .map(|files| crate::grpc::tls::ServerTls::load(files, Arc::clone(&metrics)).map(Arc::new))
         .transpose()?;
         let health = Health::new();
+        // Peers' inserts wake this broker's fetchers (PostgreSQL), so idle
+        // fetchers need not poll for them.
+        let new_rows = match config.delivery_mode {
+            DeliveryMode::Push => store.new_rows(),
+            DeliveryMode::Pull => None,
+        };
         let store_arbiter = Arbiter::new();
         let store_actor =
             StoreHandle::start_in_arbiter(&store_arbiter.handle(), store, Arc::clone(&metrics));
@@ -305,6 +312,7 @@ impl Broker {
             .map(|fetcher| fetcher.clone().recipient())
             .collect();
 
+        let wake_on_new_rows = wake.clone();
         let upkeep_arbiter = Arbiter::new();
         let upkeep = UpkeepActor::new(
             UpkeepConfig::from_config(config, health.clone()),
@@ -389,6 +397,15 @@ impl Broker {
             }
         }
         server_arbiter.spawn(watch_actors(health.clone(), watched, WATCH_INTERVAL));
+        if let Some(mut new_rows) = new_rows {
+            server_arbiter.spawn(async move {
+                while new_rows.next().await.is_some() {
+                    for fetcher in &wake_on_new_rows {
+                        let _ = fetcher.try_send(WakeFetch);
+                    }
+                }
+            });
+        }
         let (http_metrics, http_store) = (Arc::clone(&shared_metrics), store_actor.clone());
         let http_health = health.clone();
         server_arbiter.spawn(async move {

@@ -230,3 +230,59 @@ async fn pull_mode_end_to_end_with_ten_workers_fetching_next(backend: Backend) {
     .await;
     broker.stop().await;
 }
+
+/// Replicas share the table: a row another replica stored (here, another
+/// store on the same database) wakes this broker's idle fetchers through
+/// PostgreSQL's LISTEN/NOTIFY, so it is pushed at once, not at the next
+/// poll (a minute away in this test).
+#[actix_rt::test]
+async fn a_row_a_peer_stores_wakes_idle_fetchers_at_once() {
+    let db = TestStore::new(Backend::Postgres).await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 1);
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let config = config(
+        &kafka,
+        &db,
+        &[
+            ("WORKER_ENDPOINTS", format!("*={}", worker.url())),
+            ("FETCH_BACKOFF_MS", "60000".to_owned()),
+            ("UPKEEP_INTERVAL_MS", "60000".to_owned()),
+        ],
+    );
+    let broker = Broker::start(
+        &config,
+        db.store().await,
+        Arc::new(Metrics::new()),
+        "test-host",
+    )
+    .expect("broker starts");
+    // Once both fetchers have found nothing, they wait out their backoff.
+    let metrics_idle = || async {
+        let text = scrape(&broker).await;
+        sample(
+            &text,
+            "taskbroker_store_operation_duration_seconds_count{operation=\"claim_for_push\"}",
+        )
+        .is_some_and(|claims| claims >= 2.0)
+    };
+    wait_until(
+        "both fetchers went idle",
+        Duration::from_secs(20),
+        metrics_idle,
+    )
+    .await;
+
+    let peer = db.store().await;
+    common::insert(peer.as_ref(), &common::rows("peer", 3)).await;
+    wait_until(
+        "the peer's rows are pushed",
+        Duration::from_secs(20),
+        || {
+            let pushed = worker.seen.accepted().len();
+            async move { pushed == 3 }
+        },
+    )
+    .await;
+    broker.stop().await;
+}

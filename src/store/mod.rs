@@ -181,6 +181,17 @@ pub trait ActivationStore: Send + Sync + 'static {
     /// it does not; for health checks.
     async fn ping(&self) -> StoreResult<()>;
 
+    /// Wake-ups for new rows stored by any process sharing this store, this
+    /// one included: the stream yields (coalesced) whenever an insert that
+    /// stored rows committed, and once when it starts or reconnects.
+    /// PostgreSQL listens on a connection of its own (`LISTEN`), started on
+    /// the current tokio runtime and closed when the stream is dropped.
+    /// `None` where only this process writes (SQLite): its in-process
+    /// wake-ups are enough.
+    fn new_rows(&self) -> Option<futures::stream::BoxStream<'static, ()>> {
+        None
+    }
+
     /// Inserts activations, ignoring ids already stored. Returns how many were new.
     async fn insert_batch(&self, rows: &[InflightActivation]) -> StoreResult<u64>;
 

@@ -7,6 +7,7 @@
 //! mapping in `rows.rs`, pool building and error classification in
 //! `pool.rs`.
 
+mod notify;
 mod pool;
 mod rows;
 mod sql;
@@ -178,6 +179,16 @@ impl ActivationStore for PostgresStore {
         Ok(())
     }
 
+    fn new_rows(&self) -> Option<futures::stream::BoxStream<'static, ()>> {
+        // The URL was checked when the pools were built.
+        let (mut config, connector) = connect_config(&self.url).ok()?;
+        config.connect_timeout(self.connect_timeout);
+        if config.get_application_name().is_none() {
+            config.application_name("taskbroker");
+        }
+        Some(notify::listen(config, connector))
+    }
+
     async fn ping(&self) -> StoreResult<()> {
         const OP: &str = "ping";
         let client = self.client(&self.pool, OP).await?;
@@ -225,36 +236,43 @@ impl ActivationStore for PostgresStore {
             .map(|r| super::retry_edit_columns(&r.retry_edit))
             .unzip();
 
-        self.execute(
-            &self.pool,
-            OP,
-            INSERT,
-            &[
-                &ids,
-                &activations,
-                &topics,
-                &partitions,
-                &offsets,
-                &added,
-                &received,
-                &attempts,
-                &expires,
-                &delays,
-                &durations,
-                &deadlines,
-                &claims,
-                &statuses,
-                &at_most_once,
-                &applications,
-                &namespaces,
-                &tasknames,
-                &exceeded,
-                &buckets,
-                &edit_attempts,
-                &edit_delays,
-            ],
-        )
-        .await
+        let inserted = self
+            .query(
+                &self.pool,
+                OP,
+                INSERT,
+                &[
+                    &ids,
+                    &activations,
+                    &topics,
+                    &partitions,
+                    &offsets,
+                    &added,
+                    &received,
+                    &attempts,
+                    &expires,
+                    &delays,
+                    &durations,
+                    &deadlines,
+                    &claims,
+                    &statuses,
+                    &at_most_once,
+                    &applications,
+                    &namespaces,
+                    &tasknames,
+                    &exceeded,
+                    &buckets,
+                    &edit_attempts,
+                    &edit_delays,
+                ],
+            )
+            .await?;
+        let row = inserted.first().ok_or(StoreError::Query {
+            operation: OP,
+            message: "insert returned no count".to_owned(),
+        })?;
+        let count: i64 = row.try_get(0).map_err(|e| query_error(OP, e))?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 
     async fn claim_for_push(

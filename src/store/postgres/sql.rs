@@ -24,14 +24,29 @@ macro_rules! columns {
 // `WHERE id IN (SELECT .. LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per
 // outer row and then touch far more than `n` rows.
 
+/// The channel new rows are announced on (`pg_notify`), so every replica's
+/// fetchers wake for rows any replica stored.
+macro_rules! new_rows_channel {
+    () => {
+        "taskbroker_new_rows"
+    };
+}
+pub(super) const NEW_ROWS_CHANNEL: &str = new_rows_channel!();
+
+// Returns the rows inserted; when there are any, announces them on
+// NEW_ROWS_CHANNEL (delivered at commit, once per transaction).
 pub(super) const INSERT: &str = concat!(
-    "INSERT INTO inflight_taskactivations (",
+    "WITH ins AS (INSERT INTO inflight_taskactivations (",
     columns!(),
     ") SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int4[], $5::int8[], \
      $6::timestamptz[], $7::timestamptz[], $8::int4[], $9::timestamptz[], $10::timestamptz[], \
      $11::int4[], $12::timestamptz[], $13::timestamptz[], $14::text[], $15::bool[], $16::text[], \
      $17::text[], $18::text[], $19::int4[], $20::int2[], $21::int8[], $22::int8[]) \
-     ON CONFLICT (id) DO NOTHING"
+     ON CONFLICT (id) DO NOTHING RETURNING 1), \
+     n AS (SELECT count(*) AS n FROM ins) \
+     SELECT n.n FROM n LEFT JOIN LATERAL (SELECT pg_notify('",
+    new_rows_channel!(),
+    "', '') WHERE n.n > 0) AS announced ON true"
 );
 
 // The new expiry is strictly later than any this row had, even if the clock

@@ -317,8 +317,20 @@ pub fn free_port() -> Result<u16, String> {
 }
 
 /// The `taskbroker` binary built beside this one (`cargo build --release`
-/// builds both).
+/// builds both), or the one `TASKBROKER_BENCH_BROKER` names (another build,
+/// to compare two builds with the same harness).
 fn broker_binary() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("TASKBROKER_BENCH_BROKER") {
+        let broker = PathBuf::from(path);
+        return if broker.is_file() {
+            Ok(broker)
+        } else {
+            Err(format!(
+                "TASKBROKER_BENCH_BROKER: {} is not a file",
+                broker.display()
+            ))
+        };
+    }
     let me = std::env::current_exe().map_err(|err| err.to_string())?;
     let broker = me.with_file_name("taskbroker");
     if broker.is_file() {

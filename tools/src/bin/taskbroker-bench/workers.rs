@@ -6,7 +6,9 @@
 //! at once, "runs" for `--latency-ms`, and its outcome (FAILURE for a
 //! `--failure-rate` share, else COMPLETE) goes back to the push's callback
 //! address in SetBatchActivationStatus calls of up to `--report-batch`
-//! updates. Pull mode runs `--count` loops of GetTask, then SetTaskStatus
+//! updates. Brokers of the protocol that send an empty `callback_url` get
+//! their reports at `--broker` (and every broker does with
+//! `--report-to-broker`), so any broker can be measured. Pull mode runs `--count` loops of GetTask, then SetTaskStatus
 //! with `fetch_next_task`.
 //!
 //! The parent reads stdout: `url <url>` per server and `ready`, then
@@ -45,9 +47,14 @@ pub struct WorkersArgs {
     /// process takes its ports back); default any free ports.
     #[arg(long, value_delimiter = ',')]
     pub ports: Vec<u16>,
-    /// Pull mode: the broker's gRPC address (`host:port`).
+    /// Pull mode: the broker's gRPC address (`host:port`). Push mode: where
+    /// reports go when a push names no `callback_url`.
     #[arg(long)]
     pub broker: Option<String>,
+    /// Push mode: report every task to `--broker`, whatever its push's
+    /// `callback_url` says.
+    #[arg(long, requires = "broker")]
+    pub report_to_broker: bool,
     /// Simulated run time of every task.
     #[arg(long, default_value_t = 0)]
     pub latency_ms: u64,
@@ -228,6 +235,23 @@ struct PushHandler {
     reports: mpsc::UnboundedSender<Report>,
     latency: Duration,
     failure_rate: f64,
+    /// `--broker`, and whether every report goes there.
+    broker: Option<String>,
+    always_to_broker: bool,
+}
+
+impl PushHandler {
+    /// Where the report of a push goes: its callback, unless told otherwise
+    /// or it names none.
+    fn report_address(&self, callback_url: String) -> Result<String, Status> {
+        match &self.broker {
+            Some(broker) if self.always_to_broker || callback_url.is_empty() => Ok(broker.clone()),
+            _ if callback_url.is_empty() => Err(Status::invalid_argument(
+                "push without a callback_url, and no --broker to report to",
+            )),
+            _ => Ok(callback_url),
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -240,9 +264,10 @@ impl WorkerService for PushHandler {
         let task = request
             .task
             .ok_or_else(|| Status::invalid_argument("PushTaskRequest without a task"))?;
+        let callback = self.report_address(request.callback_url)?;
         let received_us = self.stats.delivered(&task);
         let report = Report {
-            callback: request.callback_url,
+            callback,
             status: outcome(&task.id, self.failure_rate),
             id: task.id,
             received_us,
@@ -439,6 +464,8 @@ async fn serve(args: WorkersArgs) -> Result<(), String> {
                     reports: reports.clone(),
                     latency,
                     failure_rate: args.failure_rate,
+                    broker: args.broker.clone(),
+                    always_to_broker: args.report_to_broker,
                 };
                 tokio::spawn(
                     Server::builder()
@@ -495,4 +522,38 @@ async fn serve(args: WorkersArgs) -> Result<(), String> {
     let _ = writeln!(stdout, "{}", stats.summary());
     let _ = stdout.flush();
     std::process::exit(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handler(broker: Option<&str>, always_to_broker: bool) -> PushHandler {
+        PushHandler {
+            stats: Arc::new(Stats::new()),
+            reports: mpsc::unbounded_channel().0,
+            latency: Duration::ZERO,
+            failure_rate: 0.0,
+            broker: broker.map(str::to_owned),
+            always_to_broker,
+        }
+    }
+
+    #[test]
+    fn reports_go_to_the_callback_else_to_the_broker_given() {
+        let callback = || "10.0.0.1:50051".to_owned();
+        let to = |handler: &PushHandler, url: String| handler.report_address(url).ok();
+        let own = handler(None, false);
+        assert_eq!(to(&own, callback()), Some(callback()));
+        let empty = own.report_address(String::new()).unwrap_err();
+        assert_eq!(empty.code(), Code::InvalidArgument);
+
+        // Another broker of the protocol sends no callback_url.
+        let broker = Some("127.0.0.1:7000".to_owned());
+        let fallback = handler(Some("127.0.0.1:7000"), false);
+        assert_eq!(to(&fallback, callback()), Some(callback()));
+        assert_eq!(to(&fallback, String::new()), broker);
+        let always = handler(Some("127.0.0.1:7000"), true);
+        assert_eq!(to(&always, callback()), broker);
+    }
 }

@@ -118,7 +118,7 @@ impl<T, R> CombinedWrites<T, R> {
 /// A mark comes within one push of its report, milliseconds at most
 /// seconds, so a short memory saves nearly every mark it can; a report
 /// forgotten too early only costs the write it would have saved.
-const RECENT_REPORTS_KEPT: usize = 16_384;
+const RECENT_REPORTS_KEPT: usize = 4_096;
 const RECENT_REPORTS_FOR: Duration = Duration::from_secs(10);
 /// How many marked pushes are remembered until their report, for the
 /// pushed → reported stage; a task running longer than this, or beyond

@@ -71,6 +71,9 @@ pub struct PostgresStore {
     /// Transitions that may use asynchronous commit (same pool unless
     /// `async_commit` is on).
     replayable: Pool,
+    /// Names this store's inserts in their new-row announcements, so its
+    /// own listener skips them (see `notify.rs`).
+    announcer: String,
 }
 
 impl PostgresStore {
@@ -88,6 +91,7 @@ impl PostgresStore {
             connect_timeout: config.connect_timeout,
             pool,
             replayable,
+            announcer: uuid::Uuid::new_v4().to_string(),
         })
     }
 
@@ -186,7 +190,7 @@ impl ActivationStore for PostgresStore {
         if config.get_application_name().is_none() {
             config.application_name("taskbroker");
         }
-        Some(notify::listen(config, connector))
+        Some(notify::listen(config, connector, self.announcer.clone()))
     }
 
     async fn ping(&self) -> StoreResult<()> {
@@ -264,6 +268,7 @@ impl ActivationStore for PostgresStore {
                     &buckets,
                     &edit_attempts,
                     &edit_delays,
+                    &self.announcer,
                 ],
             )
             .await?;

@@ -6,7 +6,10 @@
 //! The listening connection is not pooled. When it fails it is opened
 //! again with backoff; every (re)connect yields one wake-up, since rows may
 //! have arrived while nobody listened. Wake-ups are coalesced: a consumer
-//! that is slow to take them sees one, not a queue.
+//! that is slow to take them sees one, not a queue. Announcements of this
+//! store's own inserts are skipped: the consumer that stored them wakes
+//! this broker's fetchers in-process, and a second wake-up would only cost
+//! each fetcher an empty claim.
 
 use std::time::Duration;
 
@@ -27,13 +30,14 @@ const LAST_RETRY: Duration = Duration::from_secs(30);
 pub(super) fn listen(
     config: tokio_postgres::Config,
     connector: RustlsConnect,
+    own: String,
 ) -> BoxStream<'static, ()> {
     let (wake, woken) = mpsc::channel::<()>(1);
     tokio::spawn(async move {
         let mut retry = FIRST_RETRY;
         loop {
             let outcome = tokio::select! {
-                outcome = listen_once(&config, connector.clone(), &wake, &mut retry) => outcome,
+                outcome = listen_once(&config, connector.clone(), &own, &wake, &mut retry) => outcome,
                 () = wake.closed() => return,
             };
             match outcome {
@@ -61,15 +65,18 @@ pub(super) fn listen(
 async fn listen_once(
     config: &tokio_postgres::Config,
     connector: RustlsConnect,
+    own: &str,
     wake: &mpsc::Sender<()>,
     retry: &mut Duration,
 ) -> Result<(), String> {
     let (client, mut connection) = config.connect(connector).await.map_err(|e| describe(&e))?;
     let (notified, mut notifications) = mpsc::unbounded_channel::<()>();
+    let own = own.to_owned();
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = messages.next().await {
             match message {
+                Ok(AsyncMessage::Notification(note)) if note.payload() == own => {}
                 Ok(AsyncMessage::Notification(_)) => {
                     if notified.send(()).is_err() {
                         return Ok(());

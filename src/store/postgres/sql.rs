@@ -34,7 +34,9 @@ macro_rules! new_rows_channel {
 pub(super) const NEW_ROWS_CHANNEL: &str = new_rows_channel!();
 
 // Returns the rows inserted; when there are any, announces them on
-// NEW_ROWS_CHANNEL (delivered at commit, once per transaction).
+// NEW_ROWS_CHANNEL (delivered at commit, once per transaction) with the
+// inserting store's id ($23), so its own listener can skip them: its
+// fetchers are woken in-process already.
 pub(super) const INSERT: &str = concat!(
     "WITH ins AS (INSERT INTO inflight_taskactivations (",
     columns!(),
@@ -46,7 +48,7 @@ pub(super) const INSERT: &str = concat!(
      n AS (SELECT count(*) AS n FROM ins) \
      SELECT n.n FROM n LEFT JOIN LATERAL (SELECT pg_notify('",
     new_rows_channel!(),
-    "', '') WHERE n.n > 0) AS announced ON true"
+    "', $23::text) WHERE n.n > 0) AS announced ON true"
 );
 
 // The new expiry is strictly later than any this row had, even if the clock

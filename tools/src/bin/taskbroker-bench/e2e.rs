@@ -318,6 +318,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         "  pushes by result: {}",
         crate::harness::push_results(&before_metrics, &after_metrics)
     );
+    print_stages(&before_metrics, &after_metrics);
     println!(
         "  broker store operations: {:.2} per task",
         store_ops / tasks.max(1) as f64
@@ -405,5 +406,36 @@ impl CpuMarks {
             harness: now.harness - self.harness,
             machine: now.machine - self.machine,
         }
+    }
+}
+
+/// The broker's per-stage latencies over the run (`taskbroker_stage_seconds`,
+/// read from its histogram buckets, so p99 is as coarse as they are); a
+/// broker without them prints nothing.
+fn print_stages(before: &str, after: &str) {
+    let stages = [
+        "received_to_stored",
+        "stored_to_claimed",
+        "claimed_to_pushed",
+        "pushed_to_reported",
+    ];
+    let mut parts = Vec::new();
+    for stage in stages {
+        let labels = format!("stage=\"{stage}\"");
+        let quantile = |q| {
+            crate::harness::histogram_quantile(
+                before,
+                after,
+                "taskbroker_stage_seconds",
+                &labels,
+                q,
+            )
+        };
+        if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
+            parts.push(format!("{stage} {:.1} / {:.1}", p50 * 1e3, p99 * 1e3));
+        }
+    }
+    if !parts.is_empty() {
+        println!("  broker stages p50 / p99 ms: {}", parts.join(", "));
     }
 }

@@ -640,6 +640,66 @@ pub fn metric(text: &str, name: &str, labels: &str) -> f64 {
         .sum()
 }
 
+/// The `q` quantile (0..1) of the events a histogram series recorded
+/// between two scrapes, as Prometheus' `histogram_quantile` reads it:
+/// linear within the bucket it falls in. `labels` selects the series
+/// (`stage="stored_to_claimed"`); `None` without events.
+pub fn histogram_quantile(
+    before: &str,
+    after: &str,
+    name: &str,
+    labels: &str,
+    q: f64,
+) -> Option<f64> {
+    let buckets = |text: &str| -> Vec<(f64, f64)> {
+        let bucket_name = format!("{name}_bucket");
+        let mut buckets: Vec<(f64, f64)> = text
+            .lines()
+            .filter(|line| line.starts_with(&bucket_name) && line.contains(labels))
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let le = series.split("le=\"").nth(1)?.split('"').next()?;
+                let bound = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((bound, value.parse().ok()?))
+            })
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        buckets
+    };
+    let (start, end) = (buckets(before), buckets(after));
+    let counts: Vec<(f64, f64)> = end
+        .iter()
+        .map(|(bound, count)| {
+            let earlier = start
+                .iter()
+                .find(|(b, _)| b == bound)
+                .map_or(0.0, |(_, c)| *c);
+            (*bound, count - earlier)
+        })
+        .collect();
+    let total = counts.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut lower = (0.0, 0.0);
+    for (bound, count) in counts {
+        if count >= rank {
+            if bound.is_infinite() {
+                return Some(lower.0);
+            }
+            let within = (rank - lower.1) / (count - lower.1).max(f64::MIN_POSITIVE);
+            return Some(lower.0 + (bound - lower.0) * within);
+        }
+        lower = (bound, count);
+    }
+    Some(lower.0)
+}
+
 /// A plain HTTP/1.0 GET on loopback: (status, body).
 pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut stream =
@@ -679,4 +739,32 @@ pub fn push_results(before: &str, after: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::histogram_quantile;
+
+    #[test]
+    fn quantiles_are_read_from_the_buckets_filled_between_two_scrapes() {
+        let scrape = |counts: [u32; 4]| {
+            format!(
+                "h_bucket{{stage=\"a\",le=\"0.001\"}} {}\nh_bucket{{stage=\"a\",le=\"0.01\"}} {}\n\
+                 h_bucket{{stage=\"a\",le=\"0.1\"}} {}\nh_bucket{{stage=\"a\",le=\"+Inf\"}} {}\n\
+                 h_bucket{{stage=\"b\",le=\"+Inf\"}} 7\n",
+                counts[0], counts[1], counts[2], counts[3]
+            )
+        };
+        let before = scrape([5, 5, 5, 5]);
+        // 100 new events: 50 under 1 ms, 40 more under 10 ms, 10 under 100 ms.
+        let after = scrape([55, 95, 105, 105]);
+        let q = |q| histogram_quantile(&before, &after, "h", "stage=\"a\"", q).unwrap();
+        assert!((q(0.5) - 0.001).abs() < 1e-9);
+        assert!((q(0.7) - 0.0055).abs() < 1e-9, "{}", q(0.7));
+        assert!((q(0.99) - 0.091).abs() < 1e-9, "{}", q(0.99));
+        assert_eq!(
+            histogram_quantile(&after, &after, "h", "stage=\"a\"", 0.5),
+            None
+        );
+    }
 }

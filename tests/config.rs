@@ -104,7 +104,7 @@ fn defaults_parse_to_the_documented_values() {
     assert_eq!(config.claim_lease_override, None);
     assert_eq!(config.insert_batch_size, 256);
     assert_eq!(config.insert_batch_max_wait, Duration::ZERO);
-    assert_eq!(config.max_inflight, 100_000);
+    assert_eq!(config.max_inflight, 30_000);
     assert_eq!(config.max_processing_attempts, 5);
     assert_eq!(config.processing_deadline_grace, Duration::from_secs(3));
     assert_eq!(config.max_delay, Duration::from_secs(3600));

@@ -319,11 +319,11 @@ settings! {
         description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic, cut 4 KiB below this size. Every producer accepts records of this size plus 64 KiB (`message.max.bytes`) unless `KAFKA_CONFIG` sets it.",
     },
     max_inflight: usize = MAX_INFLIGHT {
-        default: "100000",
+        default: "30000",
         allowed: Allowed::Integer { min: 1, max: 100_000_000 },
         secret: false,
         render: text,
-        description: "High watermark of rows in the store; above it the consumer pauses its partitions.",
+        description: "High watermark of rows in the store; above it the consumer pauses its partitions. A few seconds of delivery is enough: a larger table only makes tasks wait in it instead of in Kafka (see BENCHMARKS.md, issue 16).",
     },
     max_processing_attempts: u32 = MAX_PROCESSING_ATTEMPTS {
         default: "5",

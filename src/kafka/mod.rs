@@ -13,6 +13,12 @@
 //! probe`), which is what a broker with a publicly signed certificate (most
 //! managed Kafka services) needs.
 //!
+//! The consumer prefetches at most [`CONSUMER_PREFETCH_KIB`] in all
+//! (librdkafka's `queued.max.messages.kbytes`, 64 MiB by default), unless
+//! `KAFKA_CONFIG` sets it: the table, not the client's queue, is where a
+//! backlog waits (`MAX_INFLIGHT`), and a 64 MiB prefetch was most of the
+//! broker's memory during a burn-down.
+//!
 //! Producers are sized for the records they carry: librdkafka's default
 //! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
 //! (1 MiB), and a record it refuses is never written.
@@ -36,6 +42,11 @@ pub struct KafkaSettings {
     /// `MAX_ACTIVATION_BYTES`: the largest activation any producer writes.
     pub max_activation_bytes: usize,
 }
+
+/// The consumer's prefetch bound (its one queue, every partition), in KiB, unless
+/// `KAFKA_CONFIG` sets `queued.max.messages.kbytes`: several insert
+/// batches of typical activations, far below librdkafka's 64 MiB.
+pub const CONSUMER_PREFETCH_KIB: usize = 8 * 1024;
 
 /// Room on top of an activation for a record's key, headers (the ingest
 /// dead-letter headers carry an error message) and protocol framing.
@@ -92,6 +103,12 @@ impl KafkaSettings {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", auto_offset_reset)
             .set("enable.partition.eof", "false");
+        if self.property("queued.max.messages.kbytes").is_none() {
+            client.set(
+                "queued.max.messages.kbytes",
+                CONSUMER_PREFETCH_KIB.to_string(),
+            );
+        }
         client
     }
 
@@ -228,6 +245,14 @@ mod tests {
             let consumer = settings(plaintext).consumer("g", "earliest");
             assert_eq!(consumer.get("ssl.ca.location"), None);
         }
+    }
+
+    #[test]
+    fn the_consumer_prefetch_is_bounded_unless_kafka_config_sets_it() {
+        let consumer = settings(&[]).consumer("g", "earliest");
+        assert_eq!(consumer.get("queued.max.messages.kbytes"), Some("8192"));
+        let own = settings(&[("queued.max.messages.kbytes", "65536")]).consumer("g", "earliest");
+        assert_eq!(own.get("queued.max.messages.kbytes"), Some("65536"));
     }
 
     #[test]

@@ -311,14 +311,7 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
     common::insert(store.as_ref(), &common::rows("release", K)).await;
     let (addr, metrics) = start_actor(store.clone());
 
-    let claimed = addr
-        .call(ClaimBatch {
-            buckets: BucketRange::ALL,
-            limit: K,
-            lease: Duration::from_secs(60),
-        })
-        .await
-        .expect("claim");
+    let claimed = claim(&addr, K).await;
     assert_eq!(claimed.len(), K);
     let tokens: Vec<ClaimToken> = claimed
         .iter()
@@ -347,6 +340,17 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
             "releasing must not consume an attempt"
         );
     }
+}
+
+/// Claims up to `limit` rows through the StoreActor, with a one-minute lease.
+async fn claim(addr: &StoreHandle, limit: usize) -> Vec<taskbroker::model::ClaimedActivation> {
+    addr.call(ClaimBatch {
+        buckets: BucketRange::ALL,
+        limit,
+        lease: Duration::from_secs(60),
+    })
+    .await
+    .expect("claim")
 }
 
 /// `n` rows of `prefix` stored and claimed, on a store of `db`; their ids.
@@ -542,14 +546,7 @@ async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
     )))
     .await
     .expect("report");
-    let claimed = addr
-        .call(ClaimBatch {
-            buckets: BucketRange::ALL,
-            limit: 4,
-            lease: Duration::from_secs(60),
-        })
-        .await
-        .expect("claim");
+    let claimed = claim(&addr, 4).await;
     let token = |id: &str| {
         claimed
             .iter()
@@ -636,14 +633,7 @@ async fn a_reported_task_costs_one_insert_one_update_and_one_delete() {
     })
     .await
     .expect("insert");
-    let claimed = addr
-        .call(ClaimBatch {
-            buckets: BucketRange::ALL,
-            limit: N,
-            lease: Duration::from_secs(60),
-        })
-        .await
-        .expect("claim");
+    let claimed = claim(&addr, N).await;
     assert_eq!(claimed.len(), N);
     let pushed_at = Instant::now();
     addr.call(ReportStatus {

@@ -143,3 +143,34 @@ fn e2e_refuses_a_burn_down_the_mock_cluster_cannot_hold() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--partitions 4 or more"), "{stderr}");
 }
+
+/// `--broker-command` runs another broker under the same harness: here
+/// this build's own binary, started by a shell command as a user would
+/// start a different broker, on the port the harness hands it.
+#[test]
+fn e2e_drives_an_external_broker_command() {
+    let command = format!(
+        "env TASKBROKER_GRPC_ADDR=127.0.0.1:$TASKBROKER_BENCH_GRPC_PORT \
+         TASKBROKER_GRPC_ADVERTISED_ADDR=127.0.0.1:$TASKBROKER_BENCH_GRPC_PORT \
+         TASKBROKER_METRICS_ADDR=127.0.0.1:0 TASKBROKER_RESTART_GRACE_SEC=0 {} run",
+        broker_binary().display()
+    );
+    let out = bench(&[
+        "e2e",
+        "--tasks",
+        "200",
+        "--partitions",
+        "2",
+        "--workers",
+        "2",
+        "--timeout-sec",
+        "120",
+        "--broker-command",
+        &command,
+    ]);
+    assert!(
+        out.contains("deliveries 200 (unique 200, duplicates 0)"),
+        "{out}"
+    );
+    assert!(out.contains("reports acknowledged 200"), "{out}");
+}

@@ -73,6 +73,17 @@ pub struct E2eArgs {
     /// Give up after this long.
     #[arg(long, default_value_t = 900)]
     pub timeout_sec: u64,
+    /// Run this broker instead of this build's `taskbroker run` (push
+    /// mode), to compare brokers of the protocol on the same Kafka,
+    /// database and workers: a shell command, run as `sh -c 'exec …'`. It
+    /// gets the settings this broker would (`TASKBROKER_DATABASE_URL` or
+    /// `TASKBROKER_SQLITE_PATH`, `TASKBROKER_KAFKA_BROKERS`,
+    /// `TASKBROKER_KAFKA_TOPIC`, `TASKBROKER_WORKER_ENDPOINTS` as
+    /// `*=url|url`) and `TASKBROKER_BENCH_GRPC_PORT`, where it must serve
+    /// ConsumerService on 127.0.0.1; workers report there when a push
+    /// carries no `callback_url`. Its own metrics are not read.
+    #[arg(long)]
+    pub broker_command: Option<String>,
 }
 
 pub async fn run(args: E2eArgs) -> Result<(), String> {
@@ -123,9 +134,26 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         list.extend_from_slice(extra);
         list
     };
-    let mut workers = match args.mode {
-        Delivery::Push => Some(WorkersProcess::start(&worker_args(&[]))?),
-        Delivery::Pull => None,
+    if args.broker_command.is_some() && args.mode != Delivery::Push {
+        return Err("--broker-command runs push mode only".to_owned());
+    }
+    // An external broker's gRPC port is chosen here, so the workers know
+    // where to report before it starts.
+    let external_grpc: Option<std::net::SocketAddr> = match &args.broker_command {
+        Some(_) => Some(
+            format!("127.0.0.1:{}", crate::harness::free_port()?)
+                .parse()
+                .map_err(|err| format!("{err}"))?,
+        ),
+        None => None,
+    };
+    let mut workers = match (args.mode, external_grpc) {
+        (Delivery::Push, Some(grpc)) => Some(WorkersProcess::start(&worker_args(&[
+            "--broker".to_owned(),
+            grpc.to_string(),
+        ]))?),
+        (Delivery::Push, None) => Some(WorkersProcess::start(&worker_args(&[]))?),
+        (Delivery::Pull, _) => None,
     };
 
     if !open_loop {
@@ -147,9 +175,19 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
             format!("*={}", workers.urls.join("|")),
         ));
     }
-    let broker = BrokerProcess::start(&env, run).await?;
+    let broker = match (&args.broker_command, external_grpc) {
+        (Some(command), Some(grpc)) => {
+            BrokerProcess::start_external(command, &env, run, grpc).await?
+        }
+        _ => BrokerProcess::start(&env, run).await?,
+    };
     eprintln!(
-        "broker pid {} (metrics http://{}/metrics, log {}){}",
+        "{} pid {} (metrics http://{}/metrics, log {}){}",
+        if broker.is_external() {
+            "external broker (its metrics are not read)"
+        } else {
+            "broker"
+        },
         broker.pid(),
         broker.metrics,
         broker.log.display(),
@@ -237,7 +275,12 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     let (warnings, errors) = broker.log_levels();
     let log = broker.log.clone();
     let summary = workers.finish()?;
-    broker.stop().await?;
+    let external = broker.is_external();
+    match broker.stop().await {
+        // Another broker's exit code on SIGTERM is its own business.
+        Err(err) if external => eprintln!("the external broker: {err}"),
+        stopped => stopped?,
+    }
 
     let get = |key: &str| summary.get(key).copied().unwrap_or(0);
     let ms = |key: &str| get(key) as f64 / 1000.0;

@@ -349,6 +349,9 @@ pub struct BrokerProcess {
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
     pub log: PathBuf,
+    /// Another broker of the protocol (`--broker-command`): it has no
+    /// metrics the harness knows, and it is ready when its gRPC port is.
+    external: bool,
 }
 
 impl BrokerProcess {
@@ -388,6 +391,7 @@ impl BrokerProcess {
             grpc,
             metrics,
             log,
+            external: false,
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -410,11 +414,69 @@ impl BrokerProcess {
         }
     }
 
+    /// Starts another broker of the protocol: `command` through
+    /// `sh -c 'exec …'`, with `env` (the settings this broker would get)
+    /// plus `TASKBROKER_BENCH_GRPC_PORT`, and waits until `grpc` accepts
+    /// connections. Its output goes to the log file.
+    pub async fn start_external(
+        command: &str,
+        env: &[(String, String)],
+        run: &str,
+        grpc: SocketAddr,
+    ) -> Result<BrokerProcess, String> {
+        let log = std::env::temp_dir().join(format!("taskbroker-bench-{run}-external.log"));
+        let log_file = std::fs::File::create(&log).map_err(|err| err.to_string())?;
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec {command}"))
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("TASKBROKER_BENCH_GRPC_PORT", grpc.port().to_string())
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().map_err(|err| err.to_string())?)
+            .stderr(log_file)
+            .spawn()
+            .map_err(|err| format!("cannot start the broker command: {err}"))?;
+        let mut broker = BrokerProcess {
+            child,
+            grpc,
+            metrics: grpc,
+            log,
+            external: true,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = broker.child.try_wait() {
+                return Err(format!(
+                    "the broker command exited at startup ({status}); its output: {}",
+                    broker.log.display()
+                ));
+            }
+            if tokio::net::TcpStream::connect(grpc).await.is_ok() {
+                return Ok(broker);
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the broker command did not listen on {grpc} within 60 s; its output: {}",
+                    broker.log.display()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn pid(&self) -> String {
         self.child.id().to_string()
     }
 
+    pub fn is_external(&self) -> bool {
+        self.external
+    }
+
+    /// This broker's `/metrics`; empty for an external broker.
     pub async fn scrape(&self) -> Result<String, String> {
+        if self.external {
+            return Ok(String::new());
+        }
         match http_get(self.metrics, "/metrics").await {
             Ok((200, body)) => Ok(body),
             Ok((status, _)) => Err(format!("/metrics answered {status}")),
@@ -422,8 +484,13 @@ impl BrokerProcess {
         }
     }
 
-    /// Waits until the broker's consumer has partitions assigned.
+    /// Waits until the broker's consumer has partitions assigned. An
+    /// external broker says nothing of it: the run starts at once, and its
+    /// group join shows as latency of the first tasks.
     pub async fn wait_assigned(&self, limit: Duration) -> Result<(), String> {
+        if self.external {
+            return Ok(());
+        }
         let deadline = Instant::now() + limit;
         loop {
             let text = self.scrape().await?;

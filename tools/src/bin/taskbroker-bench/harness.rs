@@ -393,21 +393,41 @@ impl BrokerProcess {
             log,
             external: false,
         };
+        broker
+            .wait_ready("become healthy", |broker| async move {
+                matches!(http_get(broker, "/health").await, Ok((200, _)))
+            })
+            .await?;
+        Ok(broker)
+    }
+
+    /// Polls `ready` (given the address it probes) every 50 ms for up to
+    /// 60 s; fails at once if the process exits meanwhile.
+    async fn wait_ready<F, Fut>(&mut self, what: &str, ready: F) -> Result<(), String>
+    where
+        F: Fn(SocketAddr) -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let probed = if self.external {
+            self.grpc
+        } else {
+            self.metrics
+        };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(Some(status)) = broker.child.try_wait() {
+            if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!(
-                    "the broker exited at startup ({status}); its log: {}",
-                    broker.log.display()
+                    "the broker exited at startup ({status}); its output: {}",
+                    self.log.display()
                 ));
             }
-            if let Ok((200, _)) = http_get(broker.metrics, "/health").await {
-                return Ok(broker);
+            if ready(probed).await {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "the broker did not become healthy in 60 s; its log: {}",
-                    broker.log.display()
+                    "the broker did not {what} within 60 s; its output: {}",
+                    self.log.display()
                 ));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -443,25 +463,12 @@ impl BrokerProcess {
             log,
             external: true,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(Some(status)) = broker.child.try_wait() {
-                return Err(format!(
-                    "the broker command exited at startup ({status}); its output: {}",
-                    broker.log.display()
-                ));
-            }
-            if tokio::net::TcpStream::connect(grpc).await.is_ok() {
-                return Ok(broker);
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the broker command did not listen on {grpc} within 60 s; its output: {}",
-                    broker.log.display()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        broker
+            .wait_ready(&format!("listen on {grpc}"), |grpc| async move {
+                tokio::net::TcpStream::connect(grpc).await.is_ok()
+            })
+            .await?;
+        Ok(broker)
     }
 
     pub fn pid(&self) -> String {

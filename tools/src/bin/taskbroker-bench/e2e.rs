@@ -20,11 +20,11 @@
 use std::time::{Duration, Instant};
 
 use crate::harness::{
-    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, metric,
-    run_id,
+    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, run_id,
 };
 use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
+use crate::scrape::metric;
 use crate::workers::Delivery;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -359,7 +359,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     );
     println!(
         "  pushes by result: {}",
-        crate::harness::push_results(&before_metrics, &after_metrics)
+        crate::scrape::push_results(&before_metrics, &after_metrics)
     );
     print_stages(&before_metrics, &after_metrics);
     println!(
@@ -466,13 +466,7 @@ fn print_stages(before: &str, after: &str) {
     for stage in stages {
         let labels = format!("stage=\"{stage}\"");
         let quantile = |q| {
-            crate::harness::histogram_quantile(
-                before,
-                after,
-                "taskbroker_stage_seconds",
-                &labels,
-                q,
-            )
+            crate::scrape::histogram_quantile(before, after, "taskbroker_stage_seconds", &labels, q)
         };
         if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
             parts.push(format!("{stage} {:.1} / {:.1}", p50 * 1e3, p99 * 1e3));

@@ -32,6 +32,7 @@ mod floor;
 mod harness;
 mod pgstat;
 mod procstat;
+mod scrape;
 mod soak;
 mod stranded;
 mod workers;

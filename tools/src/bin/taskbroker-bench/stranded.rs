@@ -25,9 +25,10 @@ use taskbroker::config::Config;
 
 use crate::connect;
 use crate::harness::{
-    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, metric,
-    run_id, signal,
+    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, run_id,
+    signal,
 };
+use crate::scrape::metric;
 
 /// The broker's test switch behind `--no-release-on-full` (read only by a
 /// broker built with the `test-hooks` feature).
@@ -356,7 +357,7 @@ async fn run_in(args: &StrandedArgs, run: &str, scratch: &Scratch) -> Result<(),
     );
     println!(
         "pushes by result over the run: {}",
-        crate::harness::push_results(&first_metrics, &final_metrics)
+        crate::scrape::push_results(&first_metrics, &final_metrics)
     );
     println!(
         "claims released: queue_timeout {}, push_failed {}, lease_expired {}",

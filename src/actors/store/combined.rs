@@ -75,8 +75,6 @@ impl<T, R> CombinedWrites<T, R> {
         })
     }
 
-    /// The next batch to write, if none is being written: requests in order
-    /// until their `weight` would pass [`MAX_COMBINED`], at least one.
     /// Answers the waiting requests that `early` settles without a write,
     /// and takes them out of the queue. Returns how many it answered.
     fn answer_early(&mut self, early: impl Fn(&T) -> Option<R>) -> usize {
@@ -94,6 +92,8 @@ impl<T, R> CombinedWrites<T, R> {
         answered
     }
 
+    /// The next batch to write, if none is being written: requests in order
+    /// until their `weight` would pass [`MAX_COMBINED`], at least one.
     fn take_batch(&mut self, weight: impl Fn(&T) -> usize) -> Option<Waiting<T, R>> {
         if self.flushing || self.waiting.is_empty() {
             return None;
@@ -114,7 +114,7 @@ impl<T, R> CombinedWrites<T, R> {
     }
 }
 
-/// How many workers' reports [`RecentReports`] remembers, and for how long.
+/// How many workers' reports [`Recent`] remembers, and for how long.
 /// A mark comes within one push of its report, milliseconds at most
 /// seconds, so a short memory saves nearly every mark it can; a report
 /// forgotten too early only costs the write it would have saved.

@@ -7,64 +7,22 @@ mod common;
 
 use std::sync::Arc;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use rustls::ServerConfig;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use common::TestDb;
+use common::tls::TestCa;
 
-struct Ca {
-    cert: rcgen::Certificate,
-    issuer: Issuer<'static, KeyPair>,
-    pem_path: String,
+/// A CA of this test run: `TestCa` with its certificate's file path as
+/// `sslrootcert` takes it.
+fn new_ca() -> TestCa {
+    TestCa::new("taskbroker test CA")
 }
 
-fn temp_path(what: &str) -> String {
-    std::env::temp_dir()
-        .join(format!(
-            "taskbroker-{what}-{}.pem",
-            uuid::Uuid::new_v4().simple()
-        ))
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn new_ca() -> Ca {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "taskbroker test CA");
-    let cert = params.self_signed(&key).unwrap();
-    let pem_path = temp_path("ca");
-    std::fs::write(&pem_path, cert.pem()).unwrap();
-    Ca {
-        cert,
-        issuer: Issuer::new(params, key),
-        pem_path,
-    }
-}
-
-/// A server configuration whose certificate, for `names`, `ca` signed.
-fn server_config(ca: &Ca, names: &[&str]) -> Arc<ServerConfig> {
-    let key = KeyPair::generate().unwrap();
-    let params =
-        CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
-    let leaf = params.signed_by(&key, &ca.issuer).unwrap();
-    let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone(), ca.cert.der().clone()];
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    let config =
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .unwrap();
-    Arc::new(config)
+fn pem_path(ca: &TestCa) -> String {
+    ca.path("ca.pem").display().to_string()
 }
 
 /// The real server's address, from the test database URL.
@@ -166,8 +124,8 @@ async fn require_against_the_local_server_encrypts_and_works() {
 async fn verify_full_with_the_test_ca_succeeds() {
     let db = TestDb::new().await;
     let ca = new_ca();
-    let port = start_proxy(Some(server_config(&ca, &["localhost", "127.0.0.1"]))).await;
-    let params = format!("sslmode=verify-full&sslrootcert={}", ca.pem_path);
+    let port = start_proxy(Some(ca.server_config(&["localhost", "127.0.0.1"], &[]))).await;
+    let params = format!("sslmode=verify-full&sslrootcert={}", pem_path(&ca));
     round_trip(&url_via(&db, Some(port), &params))
         .await
         .unwrap();
@@ -178,8 +136,8 @@ async fn verify_full_with_another_ca_stops_at_migrate() {
     let db = TestDb::new().await;
     let ca = new_ca();
     let other = new_ca();
-    let port = start_proxy(Some(server_config(&ca, &["localhost", "127.0.0.1"]))).await;
-    let params = format!("sslmode=verify-full&sslrootcert={}", other.pem_path);
+    let port = start_proxy(Some(ca.server_config(&["localhost", "127.0.0.1"], &[]))).await;
+    let params = format!("sslmode=verify-full&sslrootcert={}", pem_path(&other));
     assert_did_not_verify(round_trip(&url_via(&db, Some(port), &params)).await);
     // Without a root certificate the system roots do not know the test CA.
     assert_did_not_verify(round_trip(&url_via(&db, Some(port), "sslmode=verify-ca")).await);
@@ -189,10 +147,10 @@ async fn verify_full_with_another_ca_stops_at_migrate() {
 async fn a_name_mismatch_fails_verify_full_but_not_verify_ca() {
     let db = TestDb::new().await;
     let ca = new_ca();
-    let port = start_proxy(Some(server_config(&ca, &["db.example.invalid"]))).await;
-    let full = format!("sslmode=verify-full&sslrootcert={}", ca.pem_path);
+    let port = start_proxy(Some(ca.server_config(&["db.example.invalid"], &[]))).await;
+    let full = format!("sslmode=verify-full&sslrootcert={}", pem_path(&ca));
     assert_did_not_verify(round_trip(&url_via(&db, Some(port), &full)).await);
-    let ca_only = format!("sslmode=verify-ca&sslrootcert={}", ca.pem_path);
+    let ca_only = format!("sslmode=verify-ca&sslrootcert={}", pem_path(&ca));
     round_trip(&url_via(&db, Some(port), &ca_only))
         .await
         .unwrap();

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::tls::{Leaf, TestCa};
 use common::worker::{CountingHandler, push_config};
 use common::{Backend, rows, wait_for_count};
-use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
+use rcgen::ExtendedKeyUsagePurpose;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
@@ -23,57 +24,30 @@ use taskbroker::proto::worker_service_server::WorkerServiceServer;
 use taskbroker::wire::worker_tls::WorkerTlsFiles;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-/// PEM files of one test PKI, in a directory of their own.
+/// The test PKI: a CA of this run (its `ca.pem` on disk), a server
+/// certificate for `localhost` and a client certificate for mTLS, written
+/// as `client.pem` and `client.key` beside it.
 struct Pki {
-    dir: PathBuf,
-    ca_pem: String,
-    server: (String, String),
-    client: (String, String),
+    ca: TestCa,
+    server: Leaf,
 }
 
 impl Pki {
     fn generate() -> Pki {
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
-        let issuer = Issuer::new(ca_params, ca_key);
-        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
-            let key = KeyPair::generate().unwrap();
-            let mut params = CertificateParams::new(names).unwrap();
-            params.extended_key_usages = vec![usage];
-            let cert = params.signed_by(&key, &issuer).unwrap();
-            (cert.pem(), key.serialize_pem())
-        };
-        let server = leaf(
-            vec!["localhost".to_owned()],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        );
-        let client = leaf(
-            vec!["broker.test".to_owned()],
-            ExtendedKeyUsagePurpose::ClientAuth,
-        );
-        let dir =
-            std::env::temp_dir().join(format!("taskbroker-worker-tls-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let pki = Pki {
-            dir,
-            ca_pem,
-            server,
-            client,
-        };
-        pki.write("ca.pem", &pki.ca_pem);
-        pki.write("client.pem", &pki.client.0);
-        pki.write("client.key", &pki.client.1);
-        pki
+        let ca = TestCa::new("taskbroker worker test CA");
+        let server = ca.leaf(&["localhost"], ExtendedKeyUsagePurpose::ServerAuth);
+        let client = ca.leaf(&["broker.test"], ExtendedKeyUsagePurpose::ClientAuth);
+        ca.write("client.pem", &client.cert_pem);
+        ca.write("client.key", &client.key_pem);
+        Pki { ca, server }
     }
 
     fn write(&self, name: &str, text: &str) {
-        std::fs::write(self.path(name), text).unwrap();
+        self.ca.write(name, text);
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
+        self.ca.path(name)
     }
 
     fn files(&self, ca: bool, client: bool) -> WorkerTlsFiles {
@@ -82,12 +56,6 @@ impl Pki {
             cert: client.then(|| self.path("client.pem")),
             key: client.then(|| self.path("client.key")),
         }
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -104,10 +72,12 @@ impl TlsWorker {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let handled = Arc::new(AtomicU64::new(0));
-        let mut tls =
-            ServerTlsConfig::new().identity(Identity::from_pem(&pki.server.0, &pki.server.1));
+        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+            &pki.server.cert_pem,
+            &pki.server.key_pem,
+        ));
         if require_client_cert {
-            tls = tls.client_ca_root(Certificate::from_pem(&pki.ca_pem));
+            tls = tls.client_ca_root(Certificate::from_pem(pki.ca.pem()));
         }
         let service = WorkerServiceServer::new(CountingHandler {
             handled: Arc::clone(&handled),

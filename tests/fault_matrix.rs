@@ -433,9 +433,16 @@ async fn two_brokers_one_database_rolling_restart() {
     // Rolling deploy: the first replica stops cleanly and a new one takes
     // its place (same address, as a restarted pod behind its Service).
     first.stop().await;
-    // It committed everything it stored before leaving the group.
-    let committed: i64 = matrix.kafka.committed("taskbroker", TOPIC, 4).iter().sum();
-    assert_eq!(committed, 1_000, "offsets committed at the clean stop");
+    // Everything stored is committed: the stopping replica commits what it
+    // stored, the other its own. Under a loaded machine a commit made while
+    // the group rebalances can be refused and is made again by the
+    // partition's next owner, so this waits (bounded) for the group to
+    // settle; what re-reading costs is bounded by the checks below.
+    wait_until("offsets committed", Duration::from_secs(30), || async {
+        let committed: i64 = matrix.kafka.committed("taskbroker", TOPIC, 4).iter().sum();
+        committed == 1_000
+    })
+    .await;
     ids.extend(matrix.produce("roll-b", 500).await);
     let (replacement, m3) = matrix.start_broker(matrix.grpc_port, &[]);
 

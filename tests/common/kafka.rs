@@ -123,9 +123,26 @@ impl MockKafka {
         for p in 0..partitions {
             list.add_partition(topic, p);
         }
-        let committed = consumer
-            .committed_offsets(list, Duration::from_secs(10))
-            .expect("committed offsets");
+        // The coordinator may answer with a per-partition error (and no
+        // offset) while the group rebalances: ask again then, a bounded
+        // number of times; an answer without errors is the truth.
+        let mut attempts = 0;
+        let committed = loop {
+            let committed = consumer
+                .committed_offsets(list.clone(), Duration::from_secs(10))
+                .expect("committed offsets");
+            let errors: Vec<String> = committed
+                .elements()
+                .iter()
+                .filter_map(|e| e.error().err().map(|err| err.to_string()))
+                .collect();
+            attempts += 1;
+            if errors.is_empty() {
+                break committed;
+            }
+            assert!(attempts < 50, "committed offsets keep failing: {errors:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        };
         (0..partitions)
             .map(
                 |p| match committed.find_partition(topic, p).map(|e| e.offset()) {

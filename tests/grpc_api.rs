@@ -235,11 +235,7 @@ async fn retry_report_edits_the_retried_retry_state() {
     client.set_task_status(retry).await.unwrap();
     let stored = api.store.get("again").await.unwrap().unwrap();
     assert_eq!(stored.status, ActivationStatus::Retry);
-    assert_eq!(
-        stored.activation,
-        row("again").activation,
-        "stored as received"
-    );
+    assert_eq!(stored.activation, original.activation, "stored as received");
     let (_, retried) = stored.retry_activation(chrono::Utc::now()).unwrap();
     let state = taskbroker::proto::TaskActivation::decode(retried.as_slice())
         .unwrap()

@@ -639,6 +639,43 @@ async fn idle_fetch_actors_are_woken_when_rows_are_stored() {
     pipeline.stop().await;
 }
 
+/// Fetchers that keep finding nothing poll less and less (the pause
+/// doubles from FETCH_BACKOFF_MS up to a second), yet a wake-up still
+/// claims at once. Asserted as a lower bound on the time the empty claims
+/// took, which a slow machine can only lengthen.
+#[actix_rt::test]
+async fn idle_fetch_actors_poll_less_and_less_yet_wake_at_once() {
+    let harness = Harness::new().await;
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let mut config = config(&[&worker]);
+    config.fetch.backoff = Duration::from_millis(20);
+    let actors = config.fetch_actors as u64;
+    let started = std::time::Instant::now();
+    let pipeline = harness.start(config);
+    // Six empty claims per actor: pauses of 20, 40, 80, 160 and 320 ms
+    // between them (100 ms in all without the growth).
+    wait_until(
+        "six empty claims per actor",
+        Duration::from_secs(30),
+        || {
+            let claims = harness.metrics.store_calls("claim_for_push");
+            async move { claims >= 6 * actors }
+        },
+    )
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "idle claims came every {:?}",
+        started.elapsed() / 6
+    );
+    harness.insert("after-idle", 5).await;
+    pipeline.wake();
+    harness
+        .wait_for(ActivationStatus::Processing, 5, Duration::from_secs(10))
+        .await;
+    pipeline.stop().await;
+}
+
 // ------------------------------------------------------------ issue 13
 
 impl Harness {

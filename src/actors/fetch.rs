@@ -47,6 +47,21 @@ use super::store::{ClaimBatch, ReleaseClaims, StoreHandle};
 use crate::metrics::Metrics;
 use crate::model::{BucketRange, ClaimedActivation};
 
+/// The longest pause of an idle fetcher (unless `FETCH_BACKOFF_MS` is
+/// longer): after each claim that found nothing the pause doubles, from
+/// `FETCH_BACKOFF_MS` up to this. New rows wake fetchers at once (this
+/// replica's inserts and upkeep, and on PostgreSQL every replica's inserts
+/// through LISTEN/NOTIFY), so the poll only catches what no wake-up
+/// announces: rows a failed push returned, or a peer's rows while the
+/// listening connection is down.
+pub const IDLE_BACKOFF_LIMIT: Duration = Duration::from_secs(1);
+
+/// The pause after `empty` claims in a row found nothing (0: the first).
+pub fn idle_backoff(base: Duration, empty: u32) -> Duration {
+    let limit = base.max(IDLE_BACKOFF_LIMIT);
+    base.saturating_mul(1u32 << empty.min(16)).min(limit)
+}
+
 /// Pause before retrying a submit that found the push pool's mailbox full.
 const SUBMIT_RETRY_PAUSE: Duration = Duration::from_millis(5);
 
@@ -87,6 +102,8 @@ pub struct FetchActor {
     submitter: Option<Submitter>,
     registry: ClaimRegistry,
     backoff: Duration,
+    /// Claims in a row that found nothing: the idle pause grows with them.
+    empty_claims: u32,
     scheduled: Option<SpawnHandle>,
 }
 
@@ -112,6 +129,7 @@ impl FetchActor {
             }),
             registry,
             backoff,
+            empty_claims: 0,
             scheduled: None,
         }
     }
@@ -124,6 +142,17 @@ impl FetchActor {
     }
 
     fn after(&mut self, outcome: Iteration, ctx: &mut Context<Self>) {
+        let pause = match outcome {
+            Iteration::Empty => {
+                let pause = idle_backoff(self.backoff, self.empty_claims);
+                self.empty_claims = self.empty_claims.saturating_add(1);
+                pause
+            }
+            _ => {
+                self.empty_claims = 0;
+                self.backoff
+            }
+        };
         match outcome {
             Iteration::FullBatch => ctx.notify(FetchNow),
             Iteration::Closed => {
@@ -131,8 +160,8 @@ impl FetchActor {
                 ctx.stop();
             }
             Iteration::Stopped => ctx.stop(),
-            Iteration::Idle | Iteration::Backoff => {
-                self.scheduled = Some(ctx.run_later(self.backoff, |act, ctx| {
+            Iteration::Empty | Iteration::Idle | Iteration::Backoff => {
+                self.scheduled = Some(ctx.run_later(pause, |act, ctx| {
                     act.scheduled = None;
                     ctx.notify(FetchNow);
                 }));
@@ -195,6 +224,9 @@ impl Handler<StopFetching> for FetchActor {
 enum Iteration {
     /// A full batch was submitted: there may be more, fetch again at once.
     FullBatch,
+    /// No row was claimable: wait for a wake-up or the idle pause, which
+    /// grows while claims keep finding nothing.
+    Empty,
     /// Fewer rows than asked for: wait for a wake-up or the backoff.
     Idle,
     /// Store error or submit timeout: back off.
@@ -244,7 +276,7 @@ impl Submitter {
             }
         };
         if claimed.is_empty() {
-            return Iteration::Idle;
+            return Iteration::Empty;
         }
         let full = claimed.len() >= self.config.batch_size;
         let now = chrono::Utc::now();
@@ -349,5 +381,21 @@ impl Submitter {
             }
         }
         guards.into_iter().for_each(ClaimGuard::settle);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_idle_pause_doubles_up_to_a_second_or_the_configured_backoff() {
+        let ms = Duration::from_millis;
+        let pauses: Vec<Duration> = (0..7).map(|n| idle_backoff(ms(100), n)).collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000, 1000].map(ms));
+        assert_eq!(idle_backoff(ms(20), 1_000), ms(1000));
+        // A configured pause above the limit is kept, never grown.
+        assert_eq!(idle_backoff(ms(5000), 0), ms(5000));
+        assert_eq!(idle_backoff(ms(5000), 3), ms(5000));
     }
 }

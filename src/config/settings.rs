@@ -259,7 +259,7 @@ settings! {
         allowed: Allowed::Millis { min: 1, max: 60_000 },
         secret: false,
         render: ms,
-        description: "Pause of a FetchActor after an empty claim or a failed submit to the push pool.",
+        description: "Pause of a FetchActor after a claim that found fewer rows than asked for, or a failed submit to the push pool. While claims keep finding nothing the pause doubles, up to 1 s (or this value, if larger); new rows wake fetchers at once regardless.",
     },
     push_concurrency: usize = PUSH_CONCURRENCY {
         default: "64",

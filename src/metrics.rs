@@ -12,6 +12,39 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+/// The stages of a task's way through the broker, timed in
+/// `taskbroker_stage_seconds{stage}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// `received_at` until its row is stored (consumer).
+    ReceivedToStored,
+    /// Stored until claimed (FetchActor).
+    StoredToClaimed,
+    /// Claimed until a worker accepted the push (push pool).
+    ClaimedToPushed,
+    /// The push sent until the worker's report arrived (StoreActor).
+    PushedToReported,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 4] = [
+        Stage::ReceivedToStored,
+        Stage::StoredToClaimed,
+        Stage::ClaimedToPushed,
+        Stage::PushedToReported,
+    ];
+
+    /// The `stage` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Stage::ReceivedToStored => "received_to_stored",
+            Stage::StoredToClaimed => "stored_to_claimed",
+            Stage::ClaimedToPushed => "claimed_to_pushed",
+            Stage::PushedToReported => "pushed_to_reported",
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     /// Store operation latency, by operation (its count is the number of calls).
@@ -46,8 +79,11 @@ pub struct Metrics {
     /// Time from `received_at` until a worker accepted the push.
     pub received_to_pushed: Histogram,
     /// Time a task spends in each stage of its way, by stage (see
-    /// [`labels::STAGES`]), so a slow end-to-end figure can be explained.
+    /// [`Stage`]), so a slow end-to-end figure can be explained.
     pub stages: HistogramVec,
+    /// The series of `stages`, one per [`Stage`], resolved once so timing a
+    /// task looks up no label.
+    stage_series: [Histogram; 4],
     /// Accepted pushes whose Claimed → Processing write was not needed: the
     /// worker's report had already arrived.
     pub marks_skipped: IntCounter,
@@ -100,16 +136,6 @@ pub struct Metrics {
 /// created with every value at zero (`Metrics::new`); a value missing here
 /// still works, it only appears once first used.
 pub mod labels {
-    /// `taskbroker_stage_seconds{stage}`: received_at → stored (consumer),
-    /// stored → claimed (FetchActor), claimed → pushed (push pool, to the
-    /// worker's acceptance), pushed → reported (StoreActor, from sending
-    /// the push to the worker's report arriving).
-    pub const STAGES: &[&str] = &[
-        "received_to_stored",
-        "stored_to_claimed",
-        "claimed_to_pushed",
-        "pushed_to_reported",
-    ];
     /// `taskbroker_push_submits_total{result}` (FetchActor).
     pub const SUBMIT_RESULTS: &[&str] = &["ok", "full", "timeout", "closed"];
     /// `taskbroker_claims_released_total{reason}`: FetchActor (queue_*),
@@ -282,20 +308,25 @@ fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
         .expect("valid metric definition")
 }
 
+fn histogram_vec(name: &str, help: &str, buckets: &[f64], labels: &[&str]) -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid metric definition")
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
-        let store_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "taskbroker_store_operation_duration_seconds",
-                "Duration of store operations, by operation.",
-            )
-            .buckets(vec![
+        let store_duration = histogram_vec(
+            "taskbroker_store_operation_duration_seconds",
+            "Duration of store operations, by operation.",
+            &[
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-            ]),
+            ],
             &["operation"],
-        )
-        .expect("valid metric definition");
+        );
         let store_errors = IntCounterVec::new(
             Opts::new(
                 "taskbroker_store_operation_errors_total",
@@ -369,16 +400,14 @@ impl Metrics {
             "Time from an activation's received_at until a worker accepted it.",
             LATENCY_BUCKETS,
         );
-        let stages = HistogramVec::new(
-            HistogramOpts::new(
-                "taskbroker_stage_seconds",
-                "Time a task spent in each stage: received_to_stored, stored_to_claimed, \
-                 claimed_to_pushed, pushed_to_reported.",
-            )
-            .buckets(STAGE_BUCKETS.to_vec()),
+        let stages = histogram_vec(
+            "taskbroker_stage_seconds",
+            "Time a task spent in each stage: received_to_stored, stored_to_claimed, \
+             claimed_to_pushed, pushed_to_reported.",
+            STAGE_BUCKETS,
             &["stage"],
-        )
-        .expect("valid metric definition");
+        );
+        let stage_series = Stage::ALL.map(|stage| stages.with_label_values(&[stage.label()]));
         let marks_skipped = counter(
             "taskbroker_marks_skipped_total",
             "Accepted pushes whose Claimed to Processing write was skipped: the worker had already reported.",
@@ -418,15 +447,12 @@ impl Metrics {
         )
         .expect("valid metric definition");
         let upkeep_cycles = counter("taskbroker_upkeep_cycles_total", "Completed upkeep cycles.");
-        let upkeep_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "taskbroker_upkeep_step_duration_seconds",
-                "Duration of each upkeep step.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
+        let upkeep_duration = histogram_vec(
+            "taskbroker_upkeep_step_duration_seconds",
+            "Duration of each upkeep step.",
+            LATENCY_BUCKETS,
             &["step"],
-        )
-        .expect("valid metric definition");
+        );
         let upkeep_transitions = counter_vec(
             "taskbroker_upkeep_transitions_total",
             "Rows moved or removed by upkeep, by step.",
@@ -539,6 +565,7 @@ impl Metrics {
             received_to_claimed,
             received_to_pushed,
             stages,
+            stage_series,
             marks_skipped,
             consumer_records,
             invalid_records,
@@ -582,9 +609,6 @@ impl Metrics {
             for value in values {
                 counter.with_label_values(&[value]);
             }
-        }
-        for stage in STAGES {
-            self.stages.with_label_values(&[stage]);
         }
         for step in UPKEEP_STEPS {
             self.upkeep_duration.with_label_values(&[step]);
@@ -664,12 +688,10 @@ impl Metrics {
         }
     }
 
-    /// One task's time in `stage` (one of [`labels::STAGES`]); a negative
-    /// span (clocks of different hosts) counts as zero.
-    pub fn observe_stage(&self, stage: &str, seconds: f64) {
-        self.stages
-            .with_label_values(&[stage])
-            .observe(seconds.max(0.0));
+    /// One task's time in `stage`; a negative span (clocks of different
+    /// hosts) counts as zero.
+    pub fn observe_stage(&self, stage: Stage, seconds: f64) {
+        self.stage_series[stage as usize].observe(seconds.max(0.0));
     }
 
     /// How many times a store operation ran (successfully or not).

@@ -44,7 +44,7 @@ use tokio::time::Instant;
 use super::claims::{ClaimGuard, ClaimRegistry};
 use super::push_pool::PushActivation;
 use super::store::{ClaimBatch, ReleaseClaims, StoreHandle};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Stage};
 use crate::model::{BucketRange, ClaimedActivation};
 
 /// The longest pause of an idle fetcher (unless `FETCH_BACKOFF_MS` is
@@ -290,7 +290,7 @@ impl Submitter {
                 .observe(age.as_seconds_f64().max(0.0));
             let stored_for = now - activation.added_at;
             self.metrics
-                .observe_stage("stored_to_claimed", stored_for.as_seconds_f64());
+                .observe_stage(Stage::StoredToClaimed, stored_for.as_seconds_f64());
             let claim = ClaimGuard::new(
                 token,
                 self.registry.clone(),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use super::dead_letter::{self, Invalid};
 use super::{ConsumeLoop, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN, Stopped};
 use crate::actors::store::InsertBatch;
+use crate::metrics::Stage;
 use crate::model::{ActivationError, InflightActivation, KafkaPosition};
 use crate::store::StoreError;
 
@@ -94,7 +95,7 @@ impl ConsumeLoop {
                     let now = chrono::Utc::now();
                     for row in rows.iter() {
                         let waited = (now - row.received_at).as_seconds_f64();
-                        self.metrics.observe_stage("received_to_stored", waited);
+                        self.metrics.observe_stage(Stage::ReceivedToStored, waited);
                     }
                     return Ok(Inserted::Stored(stored));
                 }

@@ -69,7 +69,7 @@ use self::outcome::{NotSent, PushOutcome, Unknown};
 use super::claims::{ClaimGuard, ClaimRegistry};
 use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreHandle, UndoClaim};
 use crate::config::WorkerEndpoints;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Stage};
 use crate::model::InflightActivation;
 use crate::proto::TaskActivation;
 use crate::wire::worker_client::{PushTaskBytes, WorkerClient};
@@ -387,7 +387,8 @@ impl PushShared {
                     .received_to_pushed
                     .observe(age.as_seconds_f64().max(0.0));
                 let claimed_for = claim.claimed_at().elapsed().as_secs_f64();
-                self.metrics.observe_stage("claimed_to_pushed", claimed_for);
+                self.metrics
+                    .observe_stage(Stage::ClaimedToPushed, claimed_for);
                 self.mark_pushed(claim, started).await;
             }
             PushOutcome::NotSent(_) => self.undo(claim).await,

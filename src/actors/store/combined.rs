@@ -24,7 +24,7 @@ use futures::StreamExt;
 use tokio::sync::oneshot;
 
 use super::{StoreActor, StoreMessage};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Stage};
 use crate::model::{ClaimToken, StatusUpdate};
 use crate::store::{ActivationStore, StoreError, StoreResult};
 
@@ -126,10 +126,11 @@ const RECENT_REPORTS_FOR: Duration = Duration::from_secs(10);
 const RECENT_PUSHES_KEPT: usize = 16_384;
 const RECENT_PUSHES_FOR: Duration = Duration::from_secs(300);
 
-/// Task ids with an instant each, remembered up to a count and an age.
+/// Task ids with an instant each, remembered up to a count and an age. The
+/// map and the queue share one copy of each id.
 pub(super) struct RecentIds {
-    at: HashMap<String, Instant>,
-    order: VecDeque<(Instant, String)>,
+    at: HashMap<Arc<str>, Instant>,
+    order: VecDeque<(Instant, Arc<str>)>,
     kept: usize,
     kept_for: Duration,
 }
@@ -145,8 +146,9 @@ impl RecentIds {
     }
 
     fn record(&mut self, id: &str, at: Instant, now: Instant) {
-        self.at.insert(id.to_owned(), at);
-        self.order.push_back((at, id.to_owned()));
+        let id: Arc<str> = Arc::from(id);
+        self.at.insert(Arc::clone(&id), at);
+        self.order.push_back((at, id));
         while let Some((oldest, _)) = self.order.front() {
             if self.order.len() <= self.kept
                 && now.saturating_duration_since(*oldest) < self.kept_for
@@ -199,7 +201,7 @@ impl Recent {
         for id in ids {
             self.reports.record(id, now, now);
             if let Some(pushed_at) = self.pushes.take(id) {
-                metrics.observe_stage("pushed_to_reported", (now - pushed_at).as_secs_f64());
+                metrics.observe_stage(Stage::PushedToReported, (now - pushed_at).as_secs_f64());
             }
         }
     }
@@ -236,7 +238,7 @@ impl Handler<MarkPushed> for StoreActor {
             self.metrics.marks_skipped.inc();
             let waited = arrived.saturating_duration_since(msg.pushed_at);
             self.metrics
-                .observe_stage("pushed_to_reported", waited.as_secs_f64());
+                .observe_stage(Stage::PushedToReported, waited.as_secs_f64());
             return Box::pin(async { Ok(true) });
         }
         let now = Instant::now();

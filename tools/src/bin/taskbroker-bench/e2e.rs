@@ -456,14 +456,8 @@ impl CpuMarks {
 /// read from its histogram buckets, so p99 is as coarse as they are); a
 /// broker without them prints nothing.
 fn print_stages(before: &str, after: &str) {
-    let stages = [
-        "received_to_stored",
-        "stored_to_claimed",
-        "claimed_to_pushed",
-        "pushed_to_reported",
-    ];
     let mut parts = Vec::new();
-    for stage in stages {
+    for stage in taskbroker::metrics::Stage::ALL.map(|stage| stage.label()) {
         let labels = format!("stage=\"{stage}\"");
         let quantile = |q| {
             crate::scrape::histogram_quantile(before, after, "taskbroker_stage_seconds", &labels, q)

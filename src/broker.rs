@@ -30,7 +30,7 @@ use crate::actors::push_pool::{
 use crate::actors::store::{ReleaseClaims, StoreHandle};
 use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
 use crate::actors::{FetchActor, PushPoolActor};
-use crate::config::{Config, DeliveryMode};
+use crate::config::{Config, ConsumedTopic, DeliveryMode, TopicAt, Topology};
 use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
 use crate::model::BucketRange;
@@ -181,14 +181,39 @@ impl PushPipeline {
     }
 }
 
+/// The settings of `cluster` (every cluster of a validated topology exists).
+fn cluster_settings(config: &Config, topology: &Topology, cluster: &str) -> KafkaSettings {
+    topology.cluster(cluster).map_or_else(
+        || KafkaSettings::from_config(config),
+        |cluster| KafkaSettings::for_cluster(cluster, config.max_activation_bytes),
+    )
+}
+
 impl ConsumerConfig {
+    /// The consumer of the first consumed topic (`KAFKA_TOPIC` unless `KAFKA_TOPICS` says
+    /// otherwise).
     pub fn from_config(config: &Config, health: Health) -> Self {
+        let topology = config.topology();
+        let first = topology.consumed[0].clone();
+        Self::for_topic(config, &topology, &first, health)
+    }
+
+    /// The consumer of one consumed topic of the topology.
+    pub fn for_topic(
+        config: &Config,
+        topology: &Topology,
+        consumed: &ConsumedTopic,
+        health: Health,
+    ) -> Self {
         ConsumerConfig {
-            kafka: KafkaSettings::from_config(config),
-            topic: config.kafka_topic.clone(),
-            group: config.kafka_consumer_group.clone(),
+            kafka: cluster_settings(config, topology, &consumed.topic.cluster),
+            cluster: consumed.topic.cluster.clone(),
+            topic: consumed.topic.topic.clone(),
+            group: consumed.group.clone(),
+            raw: consumed.raw.clone(),
+            ingest_dlq_kafka: cluster_settings(config, topology, &topology.ingest_dlq.cluster),
             auto_offset_reset: config.kafka_auto_offset_reset.as_str().to_owned(),
-            ingest_dlq_topic: config.kafka_ingest_dlq_topic.clone(),
+            ingest_dlq_topic: topology.ingest_dlq.topic.clone(),
             batch_size: config.insert_batch_size,
             batch_max_wait: config.insert_batch_max_wait,
             max_inflight: config.max_inflight as u64,
@@ -209,14 +234,21 @@ impl ConsumerConfig {
 impl UpkeepConfig {
     pub fn from_config(config: &Config, health: Health) -> Self {
         let delivery_timeout = std::time::Duration::from_secs(10);
+        let topology = config.topology();
+        let other_cluster = |topic: &TopicAt| {
+            (!topic.on_default_cluster())
+                .then(|| cluster_settings(config, &topology, &topic.cluster))
+        };
         UpkeepConfig {
             interval: config.upkeep_interval,
             batch_limit: config.upkeep_batch_limit,
             max_attempts: config.max_processing_attempts,
             restart_grace: config.restart_grace,
             kafka: KafkaSettings::from_config(config),
-            retry_topic: config.retry_topic().to_owned(),
-            dlq_topic: config.kafka_dlq_topic.clone(),
+            retry_topic: topology.retry.topic.clone(),
+            dlq_topic: topology.dlq.topic.clone(),
+            retry_kafka: other_cluster(&topology.retry),
+            dlq_kafka: other_cluster(&topology.dlq),
             delivery_timeout,
             publish_lease: delivery_timeout * 3,
             health,
@@ -228,7 +260,8 @@ impl UpkeepConfig {
 /// gRPC server and the metrics endpoint.
 pub struct Broker {
     pub store: StoreHandle,
-    pub consumer: Addr<ConsumerActor>,
+    /// One consumer per consumed topic, in the topology's order.
+    pub consumers: Vec<Addr<ConsumerActor>>,
     pub upkeep: Addr<UpkeepActor>,
     pub pipeline: Option<PushPipeline>,
     /// Where the gRPC server and the metrics endpoint listen (resolved, so
@@ -322,16 +355,26 @@ impl Broker {
         )?;
         let upkeep = UpkeepActor::start_in_arbiter(&upkeep_arbiter.handle(), move |_| upkeep);
 
+        // Every consumer on one Arbiter: they spend their time waiting on
+        // Kafka and the store, and each still pauses on its own.
         let consumer_arbiter = Arbiter::new();
         let shared_metrics = Arc::clone(&metrics);
-        let consumer = ConsumerActor::new(
-            ConsumerConfig::from_config(config, health.clone()),
-            store_actor.clone(),
-            wake,
-            metrics,
-        );
-        let consumer =
-            ConsumerActor::start_in_arbiter(&consumer_arbiter.handle(), move |_| consumer);
+        let topology = config.topology();
+        health.expect_consumers(topology.consumed.len());
+        let consumers: Vec<Addr<ConsumerActor>> = topology
+            .consumed
+            .iter()
+            .map(|consumed| {
+                let consumer = ConsumerActor::new(
+                    ConsumerConfig::for_topic(config, &topology, consumed, health.clone()),
+                    store_actor.clone(),
+                    wake.clone(),
+                    Arc::clone(&metrics),
+                );
+                ConsumerActor::start_in_arbiter(&consumer_arbiter.handle(), move |_| consumer)
+            })
+            .collect();
+        drop(metrics);
 
         // The gRPC server and the metrics endpoint share an Arbiter of their
         // own, away from the actors.
@@ -387,9 +430,14 @@ impl Broker {
                 let store = store_actor.clone();
                 move || store.is_running()
             }),
-            Watched::actor("the Kafka consumer", &consumer),
             Watched::actor("the upkeep actor", &upkeep),
         ];
+        for (consumer, consumed) in consumers.iter().zip(&topology.consumed) {
+            watched.push(Watched::actor(
+                format!("the Kafka consumer of {}", consumed.topic),
+                consumer,
+            ));
+        }
         if let Some(pipeline) = &pipeline {
             watched.push(Watched::actor("the push pool", &pipeline.push_pool));
             for (index, fetcher) in pipeline.fetchers.iter().enumerate() {
@@ -426,7 +474,7 @@ impl Broker {
         tracing::info!(%grpc_addr, %metrics_addr, "serving");
         Ok(Broker {
             store: store_actor,
-            consumer,
+            consumers,
             upkeep,
             pipeline,
             grpc_addr,
@@ -454,7 +502,12 @@ impl Broker {
         // From here on actors stop because they are told to; health and
         // readiness turn away new work at once.
         self.health.begin_stop();
-        let _ = self.consumer.send(StopConsuming).await;
+        futures::future::join_all(
+            self.consumers
+                .iter()
+                .map(|consumer| consumer.send(StopConsuming)),
+        )
+        .await;
         if let Some(pipeline) = self.pipeline {
             pipeline.stop().await;
         }

@@ -50,7 +50,8 @@ enum Command {
     Run,
     /// Apply database migrations, then exit.
     Migrate,
-    /// Print the effective configuration, secrets redacted.
+    /// Print the effective configuration, secrets redacted, then the topic table
+    /// (every consumed and produced topic, its cluster, group and mode).
     Config {
         /// Print the configuration reference (docs/configuration.md) instead.
         #[arg(long)]
@@ -115,6 +116,8 @@ fn main() -> ExitCode {
     let outcome = match cli.command.unwrap_or(Command::Run) {
         Command::Config { .. } => {
             print!("{}", config.render_effective());
+            println!();
+            print!("{}", config.topology().render());
             Ok(())
         }
         Command::Migrate => actix_rt::System::new().block_on(migrate(&config)),

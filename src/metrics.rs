@@ -87,21 +87,23 @@ pub struct Metrics {
     /// Accepted pushes whose Claimed → Processing write was not needed: the
     /// worker's report had already arrived.
     pub marks_skipped: IntCounter,
-    /// Consumed records by result (stored, duplicate, invalid, expired).
+    /// Consumed records by topic and result (stored, duplicate, invalid,
+    /// expired).
     pub consumer_records: IntCounterVec,
-    /// Invalid consumed records by reason.
+    /// Invalid consumed records by topic and reason.
     pub invalid_records: IntCounterVec,
     /// Records written to the ingest dead-letter topic, by result (ok, error).
     pub ingest_dead_letters: IntCounterVec,
-    /// Partitions this broker's consumer holds.
-    pub partitions_assigned: IntGauge,
-    /// Assignments the consumer received (readiness needs one, even empty).
-    pub consumer_assignments: IntCounter,
-    /// Partitions paused for backpressure.
-    pub partitions_paused: IntGauge,
+    /// Partitions each topic's consumer holds, by topic.
+    pub partitions_assigned: IntGaugeVec,
+    /// Assignments each consumer received (readiness needs one, even empty),
+    /// by topic.
+    pub consumer_assignments: IntCounterVec,
+    /// Partitions paused for backpressure, by topic.
+    pub partitions_paused: IntGaugeVec,
     /// Records read from Kafka whose offsets are not committed yet (the
-    /// batch being built and the one being written).
-    pub consumer_pending_records: IntGauge,
+    /// batch being built and the one being written), by topic.
+    pub consumer_pending_records: IntGaugeVec,
     /// Completed upkeep cycles.
     pub upkeep_cycles: IntCounter,
     /// Upkeep step durations, by step.
@@ -261,6 +263,7 @@ pub mod labels {
         "mark_published",
         "remove_completed",
         "count_by_status",
+        "count_inflight_by_topic",
         "max_pending_lag",
         "ping",
         "fail_claims",
@@ -301,6 +304,10 @@ fn counter(name: &str, help: &str) -> IntCounter {
 
 fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric definition")
+}
+
+fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric definition")
 }
 
 fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
@@ -414,38 +421,39 @@ impl Metrics {
         );
         let consumer_records = counter_vec(
             "taskbroker_consumer_records_total",
-            "Consumed Kafka records, by result.",
-            &["result"],
+            "Consumed Kafka records, by topic and result.",
+            &["topic", "result"],
         );
         let invalid_records = counter_vec(
             "taskbroker_consumer_invalid_records_total",
-            "Consumed records that are not valid activations, by reason.",
-            &["reason"],
+            "Consumed records that are not valid activations, by topic and reason.",
+            &["topic", "reason"],
         );
         let ingest_dead_letters = counter_vec(
             "taskbroker_ingest_dead_letters_total",
             "Invalid records written to the ingest dead-letter topic, by result.",
             &["result"],
         );
-        let partitions_assigned = IntGauge::new(
+        let partitions_assigned = gauge_vec(
             "taskbroker_consumer_partitions_assigned",
-            "Kafka partitions assigned to this broker.",
-        )
-        .expect("valid metric definition");
-        let consumer_assignments = counter(
-            "taskbroker_consumer_assignments_total",
-            "Partition assignments received by the consumer (rebalances it took part in).",
+            "Kafka partitions assigned to this broker, by consumed topic.",
+            &["topic"],
         );
-        let partitions_paused = IntGauge::new(
+        let consumer_assignments = counter_vec(
+            "taskbroker_consumer_assignments_total",
+            "Partition assignments received by each topic's consumer (rebalances it took part in).",
+            &["topic"],
+        );
+        let partitions_paused = gauge_vec(
             "taskbroker_consumer_partitions_paused",
-            "Kafka partitions paused: the store holds MAX_INFLIGHT rows, or a batch waits for the store or the ingest dead-letter topic.",
-        )
-        .expect("valid metric definition");
-        let consumer_pending_records = IntGauge::new(
+            "Kafka partitions paused, by topic: the topic's rows in the store reached MAX_INFLIGHT, or a batch waits for the store or the ingest dead-letter topic.",
+            &["topic"],
+        );
+        let consumer_pending_records = gauge_vec(
             "taskbroker_consumer_pending_records",
-            "Records read from Kafka and not yet stored (or dead-lettered) and committed.",
-        )
-        .expect("valid metric definition");
+            "Records read from Kafka and not yet stored (or dead-lettered) and committed, by topic.",
+            &["topic"],
+        );
         let upkeep_cycles = counter("taskbroker_upkeep_cycles_total", "Completed upkeep cycles.");
         let upkeep_duration = histogram_vec(
             "taskbroker_upkeep_step_duration_seconds",
@@ -599,8 +607,6 @@ impl Metrics {
             (&self.submits, SUBMIT_RESULTS),
             (&self.claims_released, RELEASE_REASONS),
             (&self.pushes, PUSH_RESULTS),
-            (&self.consumer_records, CONSUMER_RESULTS),
-            (&self.invalid_records, INVALID_REASONS),
             (&self.ingest_dead_letters, PUBLISH_RESULTS),
             (&self.upkeep_transitions, UPKEEP_TRANSITIONS),
             (&self.upkeep_errors, UPKEEP_ERROR_STEPS),
@@ -675,6 +681,42 @@ impl Metrics {
         counter.with_label_values(&[label]).get()
     }
 
+    /// Creates the series of a consumed topic's consumer at zero (see
+    /// `initialise_label_values`); `topic` is its label value.
+    pub fn initialise_topic(&self, topic: &str) {
+        use labels::{CONSUMER_RESULTS, INVALID_REASONS};
+        for result in CONSUMER_RESULTS {
+            self.consumer_records.with_label_values(&[topic, result]);
+        }
+        for reason in INVALID_REASONS {
+            self.invalid_records.with_label_values(&[topic, reason]);
+        }
+        self.partitions_assigned.with_label_values(&[topic]);
+        self.partitions_paused.with_label_values(&[topic]);
+        self.consumer_pending_records.with_label_values(&[topic]);
+        self.consumer_assignments.with_label_values(&[topic]);
+    }
+
+    /// Consumed records with `result`, every topic together.
+    pub fn consumed(&self, result: &str) -> u64 {
+        sum_where(&self.consumer_records, "result", result) as u64
+    }
+
+    /// Partitions assigned to this broker, every topic together.
+    pub fn assigned_partitions(&self) -> i64 {
+        sum_where(&self.partitions_assigned, "", "") as i64
+    }
+
+    /// Partitions paused, every topic together.
+    pub fn paused_partitions(&self) -> i64 {
+        sum_where(&self.partitions_paused, "", "") as i64
+    }
+
+    /// Records read and not yet committed, every topic together.
+    pub fn pending_records(&self) -> i64 {
+        sum_where(&self.consumer_pending_records, "", "") as i64
+    }
+
     /// One run of a store operation; `error_kind` is the failed run's
     /// `StoreError::kind`.
     pub fn observe_store(&self, operation: &str, elapsed: Duration, error_kind: Option<&str>) {
@@ -727,13 +769,47 @@ impl Default for Metrics {
     }
 }
 
+/// The sum of a family's series whose label `name` is `value` (every series
+/// when `name` is empty).
+fn sum_where(collector: &impl prometheus::core::Collector, name: &str, value: &str) -> f64 {
+    use prometheus::proto::MetricType;
+    collector
+        .collect()
+        .iter()
+        .flat_map(|family| {
+            let counter = family.get_field_type() == MetricType::COUNTER;
+            family
+                .get_metric()
+                .iter()
+                .map(move |metric| (counter, metric))
+        })
+        .filter(|(_, metric)| {
+            name.is_empty()
+                || metric
+                    .get_label()
+                    .iter()
+                    .any(|label| label.name() == name && label.value() == value)
+        })
+        .map(|(counter, metric)| {
+            if counter {
+                metric.get_counter().get_value()
+            } else {
+                metric.get_gauge().get_value()
+            }
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_family_is_exposed_before_its_first_event() {
-        let text = Metrics::new().render();
+        let metrics = Metrics::new();
+        // What each consumer does as it starts: its topic's series exist from then on.
+        metrics.initialise_topic("tasks");
+        let text = metrics.render();
         let families = text
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
@@ -743,5 +819,8 @@ mod tests {
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
         assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));
+        assert!(
+            text.contains("taskbroker_consumer_records_total{result=\"stored\",topic=\"tasks\"} 0")
+        );
     }
 }

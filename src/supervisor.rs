@@ -43,9 +43,11 @@ struct Inner {
     failure: watch::Sender<Option<String>>,
     /// When the last upkeep cycle completed (the broker's start before one).
     upkeep_progress: Mutex<Instant>,
-    /// Whether the consumer has had an assignment (possibly empty) since
-    /// it joined its group.
-    joined: AtomicBool,
+    /// The topics whose consumer has had an assignment (possibly empty)
+    /// since it joined its group.
+    joined: Mutex<std::collections::BTreeSet<String>>,
+    /// How many consumers readiness waits for (one per consumed topic).
+    consumers: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Health {
@@ -71,7 +73,8 @@ impl Health {
                 stopping: AtomicBool::new(false),
                 failure: watch::channel(None).0,
                 upkeep_progress: Mutex::new(Instant::now()),
-                joined: AtomicBool::new(false),
+                joined: Mutex::new(std::collections::BTreeSet::new()),
+                consumers: std::sync::atomic::AtomicUsize::new(1),
             }),
         }
     }
@@ -134,15 +137,32 @@ impl Health {
             .unwrap_or_default()
     }
 
-    /// The consumer received an assignment (an empty one counts: more
-    /// replicas than partitions).
-    pub fn consumer_assigned(&self) {
-        self.inner.joined.store(true, Ordering::SeqCst);
+    /// How many consumers (one per consumed topic) must join before the
+    /// broker is ready; one unless the broker says otherwise.
+    pub fn expect_consumers(&self, count: usize) {
+        self.inner.consumers.store(count.max(1), Ordering::SeqCst);
     }
 
-    /// Whether the consumer has joined its group and received an assignment.
+    /// The consumer of `topic` received an assignment (an empty one counts:
+    /// more replicas than partitions).
+    pub fn consumer_assigned(&self, topic: &str) {
+        self.inner
+            .joined
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(topic.to_owned());
+    }
+
+    /// Whether every consumer has joined its group and received an
+    /// assignment.
     pub fn consumer_joined(&self) -> bool {
-        self.inner.joined.load(Ordering::SeqCst)
+        let joined = self
+            .inner
+            .joined
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len();
+        joined >= self.inner.consumers.load(Ordering::SeqCst)
     }
 }
 

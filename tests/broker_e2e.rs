@@ -149,7 +149,7 @@ async fn push_mode_end_to_end_with_workers_reporting_in_batches(backend: Backend
     assert_eq!(
         sample(
             &text,
-            "taskbroker_consumer_records_total{result=\"stored\"}"
+            "taskbroker_consumer_records_total{result=\"stored\",topic=\"tasks\"}"
         ),
         Some(TASKS as f64)
     );

@@ -701,7 +701,10 @@ fn distinct_value(index: usize, allowed: Allowed) -> String {
         Allowed::SocketAddr => format!("127.0.0.{}:{}", i + 1, 20_000 + i),
         Allowed::HostPort => format!("host-{i}:{}", 20_000 + i),
         Allowed::HostPortList => format!("kafka-{i}:9092,kafka-{i}b:9093"),
-        Allowed::KafkaTopic => format!("topic-{i}"),
+        Allowed::KafkaTopic | Allowed::KafkaTopicAt => format!("topic-{i}"),
+        Allowed::TopicList => format!("topic-{i}a,topic-{i}b#group-{i}"),
+        Allowed::KafkaClusters => format!("c{i}=kafka-{i}:9092"),
+        Allowed::RawTopics => format!("raw-{i}=app/ns/task{i}"),
         Allowed::KafkaProperties => format!("client.id=c{i},sasl.password=p{i}"),
         Allowed::List => format!("secret-{i},old-{i}"),
         Allowed::WorkerEndpoints => format!("*=http://worker-{i}:50052"),
@@ -785,4 +788,160 @@ fn the_test_switch_is_known_only_in_a_test_hooks_build() {
     } else {
         assert_eq!(unknown, vec!["TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL"]);
     }
+}
+
+// ------------------------------------------------------------ topics and clusters
+
+#[test]
+fn unset_topics_consume_kafka_topic_alone_as_before() {
+    let topology = parse_ok(&[("TASKBROKER_KAFKA_TOPIC", "jobs")]).topology();
+    assert_eq!(topology.consumed.len(), 1);
+    let only = &topology.consumed[0];
+    assert_eq!(only.topic.to_string(), "jobs");
+    assert_eq!(only.group, "taskbroker");
+    assert!(only.raw.is_none());
+    assert_eq!(topology.retry.to_string(), "jobs");
+    assert_eq!(topology.clusters.len(), 1);
+}
+
+#[test]
+fn topics_clusters_groups_and_raw_topics_resolve_into_one_table() {
+    let config = parse_ok(&[
+        ("TASKBROKER_KAFKA_BROKERS", "main-kafka:9092"),
+        (
+            "TASKBROKER_KAFKA_CLUSTERS",
+            "east=east-1:9092,east-2:9092;west=west:9093",
+        ),
+        (
+            "TASKBROKER_KAFKA_CLUSTER_EAST_CONFIG",
+            "security.protocol=SSL,client.id=e",
+        ),
+        (
+            "TASKBROKER_KAFKA_TOPICS",
+            "tasks,tasks-long@east#long-pool,events",
+        ),
+        (
+            "TASKBROKER_KAFKA_RAW_TOPICS",
+            "events=app/raw/ingest,clicks@west=app/web/click",
+        ),
+        ("TASKBROKER_KAFKA_RAW_DEADLINE_SEC", "12"),
+        ("TASKBROKER_KAFKA_RAW_COMPRESSION", "none"),
+        ("TASKBROKER_KAFKA_DLQ_TOPIC", "dead@west"),
+    ]);
+    let topology = config.topology();
+    let consumed: Vec<(String, String, Option<String>)> = topology
+        .consumed
+        .iter()
+        .map(|c| {
+            (
+                c.topic.to_string(),
+                c.group.clone(),
+                c.raw.as_ref().map(|raw| raw.task.to_string()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        consumed,
+        [
+            ("tasks".to_owned(), "taskbroker".to_owned(), None),
+            ("tasks-long@east".to_owned(), "long-pool".to_owned(), None),
+            (
+                "events".to_owned(),
+                "taskbroker-events".to_owned(),
+                Some("app/raw/ingest".to_owned())
+            ),
+            (
+                "clicks@west".to_owned(),
+                "taskbroker-clicks".to_owned(),
+                Some("app/web/click".to_owned())
+            ),
+        ]
+    );
+    let raw = topology.consumed[2].raw.as_ref().unwrap();
+    assert_eq!(raw.deadline, Duration::from_secs(12));
+    assert_eq!(raw.compression.as_str(), "none");
+    assert_eq!(topology.retry.to_string(), "tasks");
+    assert_eq!(topology.dlq.to_string(), "dead@west");
+    let east = topology.cluster("east").unwrap();
+    assert_eq!(east.brokers, "east-1:9092,east-2:9092");
+    assert_eq!(east.properties.len(), 2);
+    assert!(topology.cluster("west").unwrap().properties.is_empty());
+
+    // `taskbroker config`: the topic table, and cluster properties redacted.
+    let table = topology.render();
+    assert!(table.contains("tasks-long"), "{table}");
+    assert!(table.contains("raw -> app/raw/ingest"), "{table}");
+    let effective = config.render_effective();
+    assert!(effective.contains("TASKBROKER_KAFKA_CLUSTER_EAST_CONFIG=<redacted>"));
+    assert!(!effective.contains("client.id=e"));
+    assert!(
+        unknown_variables(["TASKBROKER_KAFKA_CLUSTER_EAST_CONFIG".to_owned()]).is_empty(),
+        "a cluster's properties variable is not a typo"
+    );
+}
+
+#[test]
+fn topic_settings_are_validated_naming_the_variable_and_the_topic() {
+    assert_single_problem(
+        &[("TASKBROKER_KAFKA_TOPICS", "tasks,side@east")],
+        "TASKBROKER_KAFKA_TOPICS=side@east: topic `side` names cluster `east`, which \
+         TASKBROKER_KAFKA_CLUSTERS does not declare",
+    );
+    assert_single_problem(
+        &[("TASKBROKER_KAFKA_TOPICS", "tasks,tasks")],
+        "TASKBROKER_KAFKA_TOPICS=tasks: lists this topic twice",
+    );
+    assert_single_problem(
+        &[("TASKBROKER_KAFKA_RETRY_TOPIC", "again@nowhere")],
+        "TASKBROKER_KAFKA_RETRY_TOPIC=again@nowhere: topic `again` names cluster `nowhere`, \
+         which TASKBROKER_KAFKA_CLUSTERS does not declare",
+    );
+    let bad_raw = parse_err(&[("TASKBROKER_KAFKA_RAW_TOPICS", "events=app/ns")]);
+    assert!(
+        bad_raw.to_string().contains(
+            "TASKBROKER_KAFKA_RAW_TOPICS=events=app/ns: must be comma-separated \
+             `topic=application/namespace/taskname`"
+        ) && bad_raw.to_string().contains("topic `events`"),
+        "{bad_raw}"
+    );
+    let bad_cluster = parse_err(&[("TASKBROKER_KAFKA_CLUSTERS", "east=no-port")]);
+    assert!(
+        bad_cluster.to_string().contains("cluster 1 of 1 (`east`)"),
+        "{bad_cluster}"
+    );
+    let secret = parse_err(&[
+        ("TASKBROKER_KAFKA_CLUSTERS", "east=east:9092"),
+        ("TASKBROKER_KAFKA_CLUSTER_EAST_CONFIG", "sasl.password"),
+    ]);
+    assert_eq!(secret.problems.len(), 1, "{secret}");
+    assert_eq!(
+        secret.problems[0].variable,
+        "TASKBROKER_KAFKA_CLUSTER_EAST_CONFIG"
+    );
+    assert_eq!(secret.problems[0].value, REDACTED);
+}
+
+#[test]
+fn the_retry_topic_may_never_be_a_raw_topic() {
+    // Unset, retries go to the first consumed topic: refused when it is raw.
+    let error = parse_err(&[
+        ("TASKBROKER_KAFKA_TOPIC", "events"),
+        ("TASKBROKER_KAFKA_RAW_TOPICS", "events=app/ns/task"),
+    ]);
+    assert_eq!(error.problems.len(), 1, "{error}");
+    assert!(
+        error.problems[0]
+            .to_string()
+            .starts_with("TASKBROKER_KAFKA_RAW_TOPICS=events: is the retry topic"),
+        "{error}"
+    );
+    let explicit = parse_err(&[
+        ("TASKBROKER_KAFKA_RETRY_TOPIC", "events"),
+        ("TASKBROKER_KAFKA_RAW_TOPICS", "events=app/ns/task"),
+    ]);
+    assert_eq!(explicit.problems.len(), 1, "{explicit}");
+    parse_ok(&[
+        ("TASKBROKER_KAFKA_RETRY_TOPIC", "tasks-retry"),
+        ("TASKBROKER_KAFKA_RAW_TOPICS", "events=app/ns/task"),
+    ]);
 }

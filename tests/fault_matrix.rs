@@ -367,7 +367,7 @@ async fn every_postgres_backend_terminated_mid_run() {
     );
     let stored = sample(
         &broker,
-        "taskbroker_consumer_records_total{result=\"stored\"}",
+        "taskbroker_consumer_records_total{result=\"stored\",topic=\"tasks\"}",
     )
     .await;
     assert!(stored >= ids.len() as f64);
@@ -391,7 +391,7 @@ async fn kafka_broker_down_then_up() {
     // While Kafka is away, everything stored still drains to the workers.
     // (Counted against what was stored, not against progress after the
     // outage began: on a fast run every stored task may already be done.)
-    let stored = Metrics::count(&metrics.consumer_records, "stored");
+    let stored = metrics.consumed("stored");
     wait_until(
         "every stored task completes with Kafka down",
         Duration::from_secs(30),
@@ -409,7 +409,7 @@ async fn kafka_broker_down_then_up() {
     assert_eq!(repeats, 0, "Kafka trouble must not re-run stored tasks");
     assert!(worst_overdue.load(Ordering::Relaxed) <= LEASE_SLACK_MS);
     assert_eq!(
-        Metrics::count(&metrics.consumer_records, "stored"),
+        metrics.consumed("stored"),
         ids.len() as u64,
         "each record stored once"
     );
@@ -457,10 +457,7 @@ async fn two_brokers_one_database_rolling_restart() {
     // and finished it, and its commit had not landed when the joining
     // replica took the partition over. That is bounded by the records read
     // during the rebalance (roll-b), never the whole run.
-    let stored: u64 = [&m1, &m2, &m3]
-        .iter()
-        .map(|m| Metrics::count(&m.consumer_records, "stored"))
-        .sum();
+    let stored: u64 = [&m1, &m2, &m3].iter().map(|m| m.consumed("stored")).sum();
     let again = stored - ids.len() as u64;
     assert!(again <= 500, "{again} records stored twice");
     let repeats = matrix.check_outcomes(&ids);
@@ -534,12 +531,9 @@ async fn malformed_records_and_requests_mixed_into_the_load() {
         .wait_until_all_done(&ids, Duration::from_secs(120))
         .await;
     assert_eq!(matrix.check_outcomes(&ids), 0);
-    let bad_records = Metrics::count(&metrics.consumer_records, "invalid");
+    let bad_records = metrics.consumed("invalid");
     assert_eq!(bad_records, 60, "every malformed record counted once");
-    assert_eq!(
-        Metrics::count(&metrics.consumer_records, "stored"),
-        ids.len() as u64
-    );
+    assert_eq!(metrics.consumed("stored"), ids.len() as u64);
     let dead = matrix.kafka.read_all("taskworker-ingest-dlq", 1);
     assert_eq!(dead.len(), 60, "every malformed record dead-lettered");
     broker.stop().await;
@@ -725,7 +719,7 @@ async fn stopping_during_a_database_outage_ends_in_time_without_committing_unsto
                 .store_errors
                 .with_label_values(&["insert_batch", "unavailable"])
                 .get();
-            let paused = failing.partitions_paused.get();
+            let paused = failing.paused_partitions();
             async move { failed >= 2 && paused == 4 }
         },
     )
@@ -749,5 +743,5 @@ async fn stopping_during_a_database_outage_ends_in_time_without_committing_unsto
         "offsets of the {} records that were never stored stay uncommitted",
         unstored.len()
     );
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 100);
+    assert_eq!(metrics.consumed("stored"), 100);
 }

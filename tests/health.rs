@@ -229,7 +229,7 @@ async fn the_binary_exits_non_zero_when_its_consumer_cannot_start() {
     let (status, stderr) = output;
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("the Kafka consumer stopped unexpectedly"),
+        stderr.contains("the Kafka consumer of ") && stderr.contains("stopped unexpectedly"),
         "{stderr}"
     );
 }

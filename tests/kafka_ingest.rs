@@ -93,7 +93,7 @@ impl Harness {
         );
         let mut peak = 0;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while Metrics::count(&metrics.consumer_records, "stored") < records {
+        while metrics.consumed("stored") < records {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "consumption did not resume"
@@ -101,7 +101,7 @@ impl Harness {
             let total = self.total().await;
             peak = peak.max(total);
             assert!(total <= limit, "{total} rows in the store, limit {limit}");
-            if metrics.partitions_paused.get() > 0 {
+            if metrics.paused_partitions() > 0 {
                 client.execute(&drain, &[]).await.expect("drain rows");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -125,7 +125,7 @@ async fn wait_until_paused(metrics: &Metrics) {
         "the consumer pauses its partitions",
         Duration::from_secs(30),
         || {
-            let paused = metrics.partitions_paused.get();
+            let paused = metrics.paused_partitions();
             async move { paused == i64::from(PARTITIONS) }
         },
     )
@@ -183,7 +183,7 @@ async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end(backen
         },
     )
     .await;
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 10_000);
+    assert_eq!(metrics.consumed("stored"), 10_000);
     consumer.send(StopConsuming).await.expect("consumer stops");
 
     // A restarted consumer resumes after the committed offsets: the only
@@ -194,8 +194,8 @@ async fn every_record_is_stored_once_and_offsets_are_committed_to_the_end(backen
         .produce(TOPIC, &[activation("sentinel".to_owned()).encode_to_vec()])
         .await;
     harness.wait_for_total(10_001).await;
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 1);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+    assert_eq!(metrics.consumed("stored"), 1);
+    assert_eq!(metrics.consumed("duplicate"), 0);
 }
 
 /// Needs the consumer's crash switch, compiled in only with `test-hooks`.
@@ -230,8 +230,8 @@ async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates(bac
 
     let (_consumer, metrics) = harness.consume(harness.consumer_config());
     harness.wait_for_total(500).await;
-    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 100);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 400);
+    assert_eq!(metrics.consumed("duplicate"), 100);
+    assert_eq!(metrics.consumed("stored"), 400);
 }
 
 on_both_backends!(
@@ -353,7 +353,7 @@ async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
         .drain_until_stored(&metrics, 3_000, limit, 300)
         .await;
     assert!(peak >= 1_000, "the limit was reached ({peak})");
-    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+    assert_eq!(metrics.consumed("duplicate"), 0);
 }
 
 #[actix_rt::test]
@@ -385,7 +385,7 @@ async fn activations_expired_on_arrival_are_dropped_and_delayed_ones_wait() {
         "the expired record is counted",
         Duration::from_secs(10),
         || {
-            let expired = Metrics::count(&consumed.consumer_records, "expired");
+            let expired = consumed.consumed("expired");
             async move { expired == 1 }
         },
     )
@@ -411,6 +411,8 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
             kafka: harness.kafka.settings(),
             retry_topic: TOPIC.to_owned(),
             dlq_topic: "dlq".to_owned(),
+            retry_kafka: None,
+            dlq_kafka: None,
             delivery_timeout: Duration::from_secs(5),
             publish_lease: Duration::from_secs(10),
             health: Default::default(),
@@ -604,8 +606,8 @@ async fn consumers_joining_and_leaving_the_group_store_each_record_once() {
         Duration::from_secs(30),
         || {
             let (a, b) = (
-                first_metrics.partitions_assigned.get(),
-                second_metrics.partitions_assigned.get(),
+                first_metrics.assigned_partitions(),
+                second_metrics.assigned_partitions(),
             );
             async move { a > 0 && b > 0 && a + b == i64::from(PARTITIONS) }
         },
@@ -634,10 +636,7 @@ async fn consumers_joining_and_leaving_the_group_store_each_record_once() {
     .await;
     let read: u64 = [&first_metrics, &second_metrics]
         .iter()
-        .map(|m| {
-            Metrics::count(&m.consumer_records, "stored")
-                + Metrics::count(&m.consumer_records, "duplicate")
-        })
+        .map(|m| m.consumed("stored") + m.consumed("duplicate"))
         .sum();
     assert!(read >= 6_000, "every record was read ({read})");
 }
@@ -665,7 +664,7 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
     let until = tokio::time::Instant::now() + Duration::from_secs(6);
     while tokio::time::Instant::now() < until {
         assert_eq!(
-            metrics.partitions_assigned.get(),
+            metrics.assigned_partitions(),
             i64::from(PARTITIONS),
             "the paused consumer lost its partitions"
         );
@@ -676,7 +675,7 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
     // Drain: it resumes and reads the rest without a rejoin.
     let client = harness.db.client().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while Metrics::count(&metrics.consumer_records, "stored") < 1_000 {
+    while metrics.consumed("stored") < 1_000 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "consumption did not resume"
@@ -687,7 +686,7 @@ async fn a_paused_consumer_stays_in_the_group_past_max_poll_interval() {
             .expect("drain");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+    assert_eq!(metrics.consumed("duplicate"), 0);
 }
 
 // ------------------------------------------------ issue 13: ingest never stalls
@@ -789,8 +788,8 @@ async fn records_a_store_would_refuse_are_dead_lettered_and_the_rest_stored(back
     .map(|(reason, n)| (reason.to_owned(), n))
     .collect();
     assert_eq!(reasons, expected);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 200);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "invalid"), 7);
+    assert_eq!(metrics.consumed("stored"), 200);
+    assert_eq!(metrics.consumed("invalid"), 7);
 }
 
 /// Makes the test's store refuse rows whose task name is `poison`, as a
@@ -847,8 +846,8 @@ async fn rows_the_store_refuses_are_isolated_and_dead_lettered(backend: Backend)
         3
     );
     assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 3);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 300);
-    assert_eq!(Metrics::count(&metrics.consumer_records, "duplicate"), 0);
+    assert_eq!(metrics.consumed("stored"), 300);
+    assert_eq!(metrics.consumed("duplicate"), 0);
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
     let dead_ids: HashSet<String> = dead
         .iter()
@@ -940,7 +939,7 @@ async fn an_unwritable_ingest_dlq_pauses_the_partitions_and_commits_nothing() {
         Duration::from_secs(30),
         || {
             let failed = Metrics::count(&watched.ingest_dead_letters, "error");
-            let paused = watched.partitions_paused.get();
+            let paused = watched.paused_partitions();
             async move { failed >= 2 && paused == i64::from(PARTITIONS) }
         },
     )
@@ -969,7 +968,7 @@ async fn an_unwritable_ingest_dlq_pauses_the_partitions_and_commits_nothing() {
     wait_for_commits_to_the_end(&harness).await;
     assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 1);
     assert_eq!(dead_letter_reasons(&harness)["undecodable"], 1);
-    assert_eq!(metrics.partitions_paused.get(), 0);
+    assert_eq!(metrics.paused_partitions(), 0);
     // Consumption goes on.
     harness
         .kafka
@@ -1000,7 +999,7 @@ async fn a_consumer_started_on_a_full_store_inserts_nothing_until_it_drains() {
         500,
         "nothing inserted into a full store"
     );
-    assert_eq!(Metrics::count(&metrics.consumer_records, "stored"), 0);
+    assert_eq!(metrics.consumed("stored"), 0);
 
     harness.drain_until_stored(&metrics, 300, limit, 100).await;
 }
@@ -1029,7 +1028,7 @@ async fn a_batch_pending_across_a_rebalance_commits_only_partitions_still_owned(
         "the first consumer read every record",
         Duration::from_secs(30),
         || {
-            let read = pending.consumer_pending_records.get();
+            let read = pending.pending_records();
             async move { read == 400 }
         },
     )
@@ -1040,14 +1039,14 @@ async fn a_batch_pending_across_a_rebalance_commits_only_partitions_still_owned(
         Duration::from_secs(30),
         || {
             let (a, b) = (
-                first_metrics.partitions_assigned.get(),
-                second_metrics.partitions_assigned.get(),
+                first_metrics.assigned_partitions(),
+                second_metrics.assigned_partitions(),
             );
             async move { a > 0 && b > 0 && a + b == i64::from(PARTITIONS) }
         },
     )
     .await;
-    let lost = second_metrics.partitions_assigned.get() as usize;
+    let lost = second_metrics.assigned_partitions() as usize;
     first
         .send(StopConsuming)
         .await

@@ -93,6 +93,7 @@ conformance!(
     taken_rows_are_offered_again_after_the_lease,
     upkeep_statements_respect_their_limit,
     counts_by_status,
+    inflight_rows_are_counted_per_topic,
     max_pending_lag_is_delay_adjusted_and_first_attempt_only,
     batch_operations_take_ids_with_quotes_backslashes_and_control_characters,
     failed_claims_become_failure_with_the_attempt_consumed,
@@ -1177,6 +1178,37 @@ async fn counts_by_status(store: Store) {
     assert_eq!(counts.get(ActivationStatus::Processing), 0);
     assert_eq!(counts.inflight(), 2);
     assert_eq!(counts.total(), 4);
+}
+
+/// Each consumed topic's backpressure reads its own in-flight rows: Pending,
+/// Delay, Claimed and Processing count, finished rows do not.
+async fn inflight_rows_are_counted_per_topic(store: Store) {
+    assert!(store.count_inflight_by_topic().await.unwrap().is_empty());
+    let on = |id: &str, topic: &str, status: ActivationStatus| {
+        let mut row = with_status(row(id), status);
+        row.topic = topic.to_owned();
+        row
+    };
+    insert(
+        store.as_ref(),
+        &[
+            on("a1", "main", ActivationStatus::Pending),
+            on("a2", "main", ActivationStatus::Delay),
+            on("a3", "main", ActivationStatus::Processing),
+            on("a4", "main", ActivationStatus::Complete),
+            on("b1", "side", ActivationStatus::Pending),
+            on("b2", "side", ActivationStatus::Failure),
+            on("c1", "done", ActivationStatus::Complete),
+        ],
+    )
+    .await;
+    store
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap();
+    let mut counts = store.count_inflight_by_topic().await.unwrap();
+    counts.sort();
+    assert_eq!(counts, vec![("main".to_owned(), 3), ("side".to_owned(), 1)]);
 }
 
 async fn max_pending_lag_is_delay_adjusted_and_first_attempt_only(store: Store) {

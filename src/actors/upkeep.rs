@@ -67,9 +67,15 @@ pub struct UpkeepConfig {
     pub batch_limit: usize,
     pub max_attempts: u32,
     pub restart_grace: Duration,
+    /// The default cluster: where retries and dead letters go unless the
+    /// fields below name another.
     pub kafka: KafkaSettings,
     pub retry_topic: String,
     pub dlq_topic: String,
+    /// The retry topic's cluster when it is not `kafka`'s.
+    pub retry_kafka: Option<KafkaSettings>,
+    /// The dead-letter topic's cluster when it is not `kafka`'s.
+    pub dlq_kafka: Option<KafkaSettings>,
     /// How long a publish may wait for Kafka's acknowledgement.
     pub delivery_timeout: Duration,
     /// How long rows taken for publishing stay reserved to this broker;
@@ -94,7 +100,7 @@ pub struct StopUpkeep;
 pub struct UpkeepActor {
     config: UpkeepConfig,
     store: StoreHandle,
-    producer: Producer,
+    producers: Producers,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     started_at: Instant,
@@ -113,15 +119,27 @@ impl UpkeepActor {
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let producer = config
-            .kafka
-            .create_producer(config.delivery_timeout)
-            .map_err(|err| format!("Kafka producer for upkeep: {err}"))?;
+        let create = |kafka: &KafkaSettings| {
+            kafka
+                .create_producer(config.delivery_timeout)
+                .map_err(|err| format!("Kafka producer for upkeep: {err}"))
+        };
+        let default = create(&config.kafka)?;
+        let producers = Producers {
+            retry: match &config.retry_kafka {
+                Some(kafka) => create(kafka)?,
+                None => default.clone(),
+            },
+            dead_letter: match &config.dlq_kafka {
+                Some(kafka) => create(kafka)?,
+                None => default,
+            },
+        };
         let interval = config.interval;
         Ok(UpkeepActor {
             config,
             store,
-            producer,
+            producers,
             wake,
             metrics,
             started_at: Instant::now(),
@@ -176,7 +194,7 @@ impl Handler<RunUpkeep> for UpkeepActor {
         let cycle = Arc::new(Cycle {
             config: self.config.clone(),
             store: self.store.clone(),
-            producer: self.producer.clone(),
+            producers: self.producers.clone(),
             metrics: Arc::clone(&self.metrics),
             expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
             step_budget: self.step_budget,
@@ -220,11 +238,19 @@ impl Handler<StopUpkeep> for UpkeepActor {
     }
 }
 
+/// The producers of the retry and dead-letter topics (one client when both
+/// are on the same cluster).
+#[derive(Clone)]
+struct Producers {
+    retry: Producer,
+    dead_letter: Producer,
+}
+
 /// One upkeep cycle's work, detached from the actor.
 struct Cycle {
     config: UpkeepConfig,
     store: StoreHandle,
-    producer: Producer,
+    producers: Producers,
     metrics: Arc<Metrics>,
     expiry_allowed: bool,
     step_budget: Duration,
@@ -411,9 +437,9 @@ impl Cycle {
     /// (publishing more now would only wait on Kafka again).
     async fn publish_pass(&self, kind: PublishKind) -> Option<u64> {
         let (name, label) = publish_names(kind);
-        let topic = match kind {
-            PublishKind::Retry => &self.config.retry_topic,
-            PublishKind::DeadLetter => &self.config.dlq_topic,
+        let (topic, producer) = match kind {
+            PublishKind::Retry => (&self.config.retry_topic, &self.producers.retry),
+            PublishKind::DeadLetter => (&self.config.dlq_topic, &self.producers.dead_letter),
         };
         let started = Instant::now();
         let taken = match self
@@ -434,7 +460,7 @@ impl Cycle {
         let count = u64::try_from(taken.len()).unwrap_or(u64::MAX);
         let now = chrono::Utc::now();
         let deliveries = taken.into_iter().map(|row| {
-            let producer = self.producer.clone();
+            let producer = producer.clone();
             let metrics = Arc::clone(&self.metrics);
             let timeout = self.config.delivery_timeout;
             async move {

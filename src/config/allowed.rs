@@ -8,6 +8,9 @@ use std::time::Duration;
 use super::ENV_PREFIX;
 use super::endpoints::WorkerEndpoints;
 use super::parse::Value;
+use super::topics::{
+    DEFAULT_CLUSTER, Subscription, TopicAt, parse_raw_item, valid_cluster_name, valid_topic_name,
+};
 
 /// librdkafka properties the broker sets from its own variables; `KAFKA_CONFIG` may not override
 /// them (an `enable.auto.commit=true` would commit offsets before rows are stored).
@@ -65,6 +68,14 @@ pub enum Allowed {
     HostPortList,
     /// A Kafka topic name.
     KafkaTopic,
+    /// A Kafka topic name, optionally `@cluster`.
+    KafkaTopicAt,
+    /// Comma-separated `topic[@cluster][#group]`.
+    TopicList,
+    /// `name=host:port,host:port;name2=…`.
+    KafkaClusters,
+    /// Comma-separated `topic[@cluster][#group]=application/namespace/taskname`.
+    RawTopics,
     /// Comma-separated `key=value` librdkafka properties, minus the keys the broker owns.
     KafkaProperties,
     /// Comma-separated items, none empty.
@@ -101,6 +112,22 @@ impl Allowed {
             Allowed::HostPortList => "comma-separated `host:port` addresses".to_owned(),
             Allowed::KafkaTopic => {
                 "a Kafka topic name: up to 249 of `a-z A-Z 0-9 . _ -`".to_owned()
+            }
+            Allowed::KafkaTopicAt => {
+                "a Kafka topic name (up to 249 of `a-z A-Z 0-9 . _ -`), optionally `@cluster`"
+                    .to_owned()
+            }
+            Allowed::TopicList => {
+                "comma-separated topics, each `topic`, `topic@cluster`, optionally `#group`"
+                    .to_owned()
+            }
+            Allowed::KafkaClusters => {
+                "`name=host:port,…;name2=host:port,…` with names of letters, digits and `_`"
+                    .to_owned()
+            }
+            Allowed::RawTopics => {
+                "comma-separated `topic=application/namespace/taskname` (`topic` as in `KAFKA_TOPICS`)"
+                    .to_owned()
             }
             Allowed::KafkaProperties => format!(
                 "comma-separated `key=value` librdkafka properties, except {}",
@@ -169,29 +196,97 @@ impl Allowed {
                 Ok(Value::Text(raw.to_owned()))
             }
             Allowed::KafkaTopic => {
-                let valid_chars = raw
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-                if valid_chars && raw.len() <= 249 && raw != "." && raw != ".." {
+                if valid_topic_name(raw) {
                     Ok(Value::Text(raw.to_owned()))
                 } else {
                     Err(None)
                 }
             }
-            Allowed::KafkaProperties => parse_kafka_properties(raw).map(Value::Pairs),
-            Allowed::List => {
-                let items: Vec<String> = raw.split(',').map(|s| s.trim().to_owned()).collect();
-                match items.iter().position(String::is_empty) {
-                    Some(i) => Err(Some(format!("item {} of {} is empty", i + 1, items.len()))),
-                    None => Ok(Value::List(items)),
+            Allowed::KafkaTopicAt => TopicAt::parse(raw)
+                .map(|_| Value::Text(raw.to_owned()))
+                .map_err(Some),
+            Allowed::TopicList => {
+                let items = list_items(raw)?;
+                for (i, item) in items.iter().enumerate() {
+                    Subscription::parse(item)
+                        .map_err(|err| Some(format!("item {} of {}: {err}", i + 1, items.len())))?;
                 }
+                Ok(Value::List(items))
             }
+            Allowed::KafkaClusters => parse_clusters(raw).map(Value::Pairs),
+            Allowed::RawTopics => {
+                let items = list_items(raw)?;
+                let mut pairs = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    parse_raw_item(item)
+                        .map_err(|err| Some(format!("item {} of {}: {err}", i + 1, items.len())))?;
+                    if let Some((topic, task)) = item.split_once('=') {
+                        pairs.push((topic.trim().to_owned(), task.trim().to_owned()));
+                    }
+                }
+                Ok(Value::Pairs(pairs))
+            }
+            Allowed::KafkaProperties => parse_kafka_properties(raw).map(Value::Pairs),
+            Allowed::List => list_items(raw).map(Value::List),
             Allowed::WorkerEndpoints => WorkerEndpoints::parse(raw)
                 .map(Value::Endpoints)
                 .map_err(Some),
             Allowed::Text => Ok(Value::Text(raw.to_owned())),
         }
     }
+}
+
+/// Comma-separated items, trimmed, none empty.
+fn list_items(raw: &str) -> Result<Vec<String>, Option<String>> {
+    let items: Vec<String> = raw.split(',').map(|s| s.trim().to_owned()).collect();
+    match items.iter().position(String::is_empty) {
+        Some(i) => Err(Some(format!("item {} of {} is empty", i + 1, items.len()))),
+        None => Ok(items),
+    }
+}
+
+/// Parses `KAFKA_CLUSTERS`: `name=servers;name2=servers`.
+fn parse_clusters(raw: &str) -> Result<Vec<(String, String)>, Option<String>> {
+    let items: Vec<&str> = raw.split(';').map(str::trim).collect();
+    let count = items.len();
+    let mut clusters: Vec<(String, String)> = Vec::with_capacity(count);
+    for (i, item) in items.into_iter().enumerate() {
+        let at = format!("cluster {} of {count}", i + 1);
+        let Some((name, servers)) = item.split_once('=') else {
+            return Err(Some(format!("{at} has no `=`")));
+        };
+        let (name, servers) = (name.trim(), servers.trim());
+        if !valid_cluster_name(name) {
+            return Err(Some(format!(
+                "{at}: `{name}` is not a cluster name (letters, digits and `_`)"
+            )));
+        }
+        if name.eq_ignore_ascii_case(DEFAULT_CLUSTER) {
+            return Err(Some(format!(
+                "{at}: `{DEFAULT_CLUSTER}` is the cluster of KAFKA_BROKERS; choose another name"
+            )));
+        }
+        if let Some(first) = clusters
+            .iter()
+            .position(|(seen, _)| seen.eq_ignore_ascii_case(name))
+        {
+            return Err(Some(format!(
+                "{at} repeats the name of cluster {} (names are compared ignoring case, as \
+                 their variables are upper case)",
+                first + 1
+            )));
+        }
+        for server in servers.split(',') {
+            check_host_port(server.trim()).map_err(|detail| {
+                Some(format!(
+                    "{at} (`{name}`): {}",
+                    detail.unwrap_or_else(|| "bad bootstrap server".to_owned())
+                ))
+            })?;
+        }
+        clusters.push((name.to_owned(), servers.to_owned()));
+    }
+    Ok(clusters)
 }
 
 /// Names the scheme that was given, but only when it looks like one: a URL without `://` may be
@@ -221,7 +316,7 @@ fn check_host_port(item: &str) -> Result<(), Option<String>> {
 
 /// Parses `KAFKA_CONFIG`. It usually holds credentials, so errors name item positions and
 /// broker-owned keys only, never text from the value.
-fn parse_kafka_properties(raw: &str) -> Result<Vec<(String, String)>, Option<String>> {
+pub(super) fn parse_kafka_properties(raw: &str) -> Result<Vec<(String, String)>, Option<String>> {
     let items: Vec<&str> = raw.split(',').map(str::trim).collect();
     let count = items.len();
     let mut pairs: Vec<(String, String)> = Vec::with_capacity(count);

@@ -62,6 +62,10 @@ macro_rules! settings {
                 $(#[$meta])*
                 pub $field: $ty,
             )+
+            /// The librdkafka properties of each cluster of `KAFKA_CLUSTERS` that has them:
+            /// `(name, properties)` read from `TASKBROKER_KAFKA_CLUSTER_<NAME>_CONFIG`, whose
+            /// names depend on a setting's value, so they are not entries of the table. Secret.
+            pub kafka_cluster_properties: Vec<(String, Vec<(String, String)>)>,
         }
 
         /// One [`Key`] per setting, typed like its `Config` field.
@@ -76,6 +80,7 @@ macro_rules! settings {
             pub(super) fn from_values(mut values: Values) -> Result<Self, ConfigError> {
                 Ok(Config {
                     $($field: values.take(key::$name)?,)+
+                    kafka_cluster_properties: values.take_cluster_properties(),
                 })
             }
 

@@ -28,13 +28,19 @@ mod reference;
 mod settings;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;
+mod topics;
 
 pub use allowed::{Allowed, Setting};
 pub use endpoints::{WorkerEndpoints, redact_url};
 pub use error::{ConfigError, Problem};
 pub use reference::reference_markdown;
 pub use settings::{
-    AutoOffsetReset, Config, DeliveryMode, LogFormat, SETTINGS, setting, unknown_variables,
+    AutoOffsetReset, Config, DeliveryMode, LogFormat, RawCompression, SETTINGS, setting,
+    unknown_variables,
+};
+pub use topics::{
+    ConsumedTopic, DEFAULT_CLUSTER, KafkaCluster, RawMode, RawTaskName, TopicAt, Topology,
+    cluster_config_variable,
 };
 
 use std::fmt::{self, Write as _};
@@ -65,7 +71,9 @@ impl Config {
     /// (`TASKBROKER_…`). Empty values count as unset, surrounding whitespace is ignored. Every
     /// problem is reported, not just the first.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        Self::from_values(Values::read(&lookup).checked()?)
+        let mut values = Values::read(&lookup);
+        values.read_cluster_properties(&lookup);
+        Self::from_values(values.checked()?)
     }
 
     /// The claim lease: `CLAIM_LEASE_MS` when set, else derived so that it covers the longest
@@ -90,11 +98,10 @@ impl Config {
         })
     }
 
-    /// The topic retries are produced to: `KAFKA_RETRY_TOPIC`, else `KAFKA_TOPIC`.
-    pub fn retry_topic(&self) -> &str {
-        self.kafka_retry_topic
-            .as_deref()
-            .unwrap_or(&self.kafka_topic)
+    /// The topic retries are produced to, as `topic` or `topic@cluster` (see
+    /// [`Config::retry_topic_at`]).
+    pub fn retry_topic(&self) -> String {
+        self.retry_topic_at().to_string()
     }
 
     /// The `host:port` workers reach this broker at: `GRPC_ADVERTISED_ADDR` when set; else
@@ -116,6 +123,9 @@ impl Config {
         let mut out = String::new();
         for (setting, value) in self.effective() {
             let _ = writeln!(out, "{}={value}", setting.variable());
+        }
+        for (cluster, _) in &self.kafka_cluster_properties {
+            let _ = writeln!(out, "{}={REDACTED}", cluster_config_variable(cluster));
         }
         out
     }
@@ -143,7 +153,7 @@ impl Config {
         if name == key::CLAIM_LEASE_MS.name() {
             Some(self.claim_lease().as_millis().to_string())
         } else if name == key::KAFKA_RETRY_TOPIC.name() {
-            Some(self.retry_topic().to_owned())
+            Some(self.retry_topic())
         } else if name == key::GRPC_ADVERTISED_ADDR.name() {
             Some(self.advertised_addr("<host name>"))
         } else {

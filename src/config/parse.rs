@@ -10,10 +10,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::allowed::{Allowed, parse_kafka_properties};
 use super::endpoints::WorkerEndpoints;
 use super::error::{ConfigError, Problem};
 use super::settings::{DeliveryMode, key};
-use super::{ENV_PREFIX, SETTINGS, legitimate_push_path, setting};
+use super::topics::{DEFAULT_CLUSTER, Subscription, TopicAt, cluster_config_variable};
+use super::{ENV_PREFIX, REDACTED, SETTINGS, legitimate_push_path, setting};
 
 /// A parsed value before it is moved into its typed `Config` field.
 #[derive(Debug, Clone)]
@@ -116,6 +118,8 @@ impl<T> Copy for Key<T> {}
 pub(super) struct Values {
     parsed: HashMap<&'static str, Value>,
     problems: Vec<Problem>,
+    /// `TASKBROKER_KAFKA_CLUSTER_<NAME>_CONFIG` of each cluster that sets it.
+    cluster_properties: Vec<(String, Vec<(String, String)>)>,
 }
 
 impl Values {
@@ -123,6 +127,7 @@ impl Values {
         let mut values = Values {
             parsed: HashMap::with_capacity(SETTINGS.len()),
             problems: Vec::new(),
+            cluster_properties: Vec::new(),
         };
         for setting in SETTINGS {
             let given = lookup(&setting.variable())
@@ -149,6 +154,144 @@ impl Values {
         values
     }
 
+    /// Reads the librdkafka properties of every cluster `KAFKA_CLUSTERS` declares, from
+    /// variables named after them; a bad one is a problem naming its variable (never its
+    /// value: it usually holds credentials).
+    pub(super) fn read_cluster_properties(&mut self, lookup: &dyn Fn(&str) -> Option<String>) {
+        let clusters = self.peek(key::KAFKA_CLUSTERS).unwrap_or_default();
+        for (name, _) in clusters {
+            let variable = cluster_config_variable(&name);
+            let Some(raw) = lookup(&variable)
+                .map(|value| value.trim().to_owned())
+                .filter(|value| !value.is_empty())
+            else {
+                continue;
+            };
+            match parse_kafka_properties(&raw) {
+                Ok(properties) => self.cluster_properties.push((name, properties)),
+                Err(detail) => self.problems.push(Problem {
+                    variable,
+                    value: REDACTED.to_owned(),
+                    message: format!(
+                        "must be {} (the librdkafka properties of cluster `{name}`){}",
+                        Allowed::KafkaProperties.describe(),
+                        detail.map(|d| format!(" ({d})")).unwrap_or_default()
+                    ),
+                }),
+            }
+        }
+    }
+
+    pub(super) fn take_cluster_properties(&mut self) -> Vec<(String, Vec<(String, String)>)> {
+        std::mem::take(&mut self.cluster_properties)
+    }
+
+    /// Every topic names a declared cluster; no topic is consumed twice; retries never go
+    /// to a raw topic.
+    fn check_topics(&mut self) {
+        let declared: Vec<String> = self
+            .peek(key::KAFKA_CLUSTERS)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        let known = |cluster: &str| {
+            cluster == DEFAULT_CLUSTER || declared.iter().any(|name| name == cluster)
+        };
+        let unknown_cluster = |topic: &TopicAt| {
+            format!(
+                "topic `{}` names cluster `{}`, which {ENV_PREFIX}KAFKA_CLUSTERS does not \
+                 declare",
+                topic.topic, topic.cluster
+            )
+        };
+        let topics: Vec<Subscription> = self
+            .peek(key::KAFKA_TOPICS)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|item| Subscription::parse(item).ok())
+            .collect();
+        let raw: Vec<Subscription> = self
+            .peek(key::KAFKA_RAW_TOPICS)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|(topic, _)| Subscription::parse(topic).ok())
+            .collect();
+        let mut problems: Vec<(&'static str, String, String)> = Vec::new();
+        for (name, listed) in [
+            (key::KAFKA_TOPICS.name(), &topics),
+            (key::KAFKA_RAW_TOPICS.name(), &raw),
+        ] {
+            for (i, subscription) in listed.iter().enumerate() {
+                let shown = subscription.topic.to_string();
+                if !known(&subscription.topic.cluster) {
+                    problems.push((name, shown.clone(), unknown_cluster(&subscription.topic)));
+                }
+                if listed[..i]
+                    .iter()
+                    .any(|seen| seen.topic == subscription.topic)
+                {
+                    problems.push((name, shown, "lists this topic twice".to_owned()));
+                }
+            }
+        }
+        for (i, subscription) in raw.iter().enumerate() {
+            let same = topics.iter().find(|t| t.topic == subscription.topic);
+            if let Some(listed) = same
+                && listed.group != subscription.group
+            {
+                self.conflict(
+                    key::KAFKA_RAW_TOPICS,
+                    subscription.topic.to_string(),
+                    format!(
+                        "item {}: {ENV_PREFIX}KAFKA_TOPICS lists the same topic with another \
+                         consumer group; a topic is consumed once, so give both the same group",
+                        i + 1
+                    ),
+                );
+            }
+        }
+        for name in [
+            key::KAFKA_RETRY_TOPIC.name(),
+            key::KAFKA_DLQ_TOPIC.name(),
+            key::KAFKA_INGEST_DLQ_TOPIC.name(),
+        ] {
+            let Some(Value::Text(value)) = self.parsed.get(name) else {
+                continue;
+            };
+            if let Ok(topic) = TopicAt::parse(value)
+                && !known(&topic.cluster)
+            {
+                problems.push((name, value.clone(), unknown_cluster(&topic)));
+            }
+        }
+        for (name, value, message) in problems {
+            self.conflict_named(name, value, message);
+        }
+        let retry = match self.peek(key::KAFKA_RETRY_TOPIC).flatten() {
+            Some(value) => TopicAt::parse(&value).ok(),
+            None => topics.first().map(|s| s.topic.clone()).or_else(|| {
+                self.peek(key::KAFKA_TOPIC).map(|topic| TopicAt {
+                    topic,
+                    cluster: DEFAULT_CLUSTER.to_owned(),
+                })
+            }),
+        };
+        if let Some(retry) = retry
+            && raw.iter().any(|r| r.topic == retry)
+        {
+            self.conflict(
+                key::KAFKA_RAW_TOPICS,
+                retry.to_string(),
+                format!(
+                    "is the retry topic ({ENV_PREFIX}KAFKA_RETRY_TOPIC, or the first consumed \
+                     topic when that is unset): retried activations would be read as raw \
+                     payloads; set {ENV_PREFIX}KAFKA_RETRY_TOPIC to a topic of activations"
+                ),
+            );
+        }
+    }
+
     /// A valid value converted to `T`; `None` when the setting itself was invalid.
     fn peek<T: FromValue>(&self, key: Key<T>) -> Option<T> {
         self.parsed.get(key.name).cloned().and_then(T::from_value)
@@ -156,6 +299,7 @@ impl Values {
 
     /// Checks that involve more than one setting, on whichever of them parsed.
     fn check_combinations(&mut self) {
+        self.check_topics();
         let push_timeout = self.peek(key::PUSH_TIMEOUT_MS);
         let queue_timeout = self.peek(key::PUSH_QUEUE_TIMEOUT_MS);
 
@@ -265,9 +409,13 @@ impl Values {
     }
 
     fn conflict<T>(&mut self, key: Key<T>, value: String, message: String) {
-        let problem = match setting(key.name) {
+        self.conflict_named(key.name, value, message);
+    }
+
+    fn conflict_named(&mut self, name: &str, value: String, message: String) {
+        let problem = match setting(name) {
             Some(setting) => Problem::new(setting, &value, message),
-            None => Problem::internal(key.name, "checked setting is not in SETTINGS"),
+            None => Problem::internal(name, "checked setting is not in SETTINGS"),
         };
         self.problems.push(problem);
     }

@@ -44,6 +44,16 @@ word_enum! {
     }
 }
 
+word_enum! {
+    /// How the parameters of raw-topic tasks are written.
+    RawCompression {
+        /// zstd frame carrying its content size; header `compression-type: zstd`.
+        Zstd = "zstd",
+        /// Plain msgpack.
+        None = "none",
+    }
+}
+
 settings! {
     delivery_mode: DeliveryMode = DELIVERY_MODE {
         default: "push",
@@ -94,36 +104,74 @@ settings! {
         allowed: Allowed::KafkaTopic,
         secret: false,
         render: text,
-        description: "Topic the task activations are consumed from.",
+        description: "Topic the task activations are consumed from, when `KAFKA_TOPICS` is unset.",
     },
     kafka_consumer_group: String = KAFKA_CONSUMER_GROUP {
         default: "taskbroker",
         allowed: Allowed::Text,
         secret: false,
         render: text,
-        description: "Kafka consumer group; replicas in the same group split the partitions.",
+        description: "Kafka consumer group of the first consumed topic (others: see `KAFKA_TOPICS`); replicas in the same group split the partitions.",
     },
     /// As given; use [`Config::retry_topic`].
     kafka_retry_topic: Option<String> = KAFKA_RETRY_TOPIC {
         default: "",
-        allowed: Allowed::KafkaTopic,
+        allowed: Allowed::KafkaTopicAt,
         secret: false,
         render: Option::clone,
-        description: "Topic retried activations are produced to; unset = `KAFKA_TOPIC`.",
+        description: "Topic retried activations are produced to, as `topic` or `topic@cluster`; unset = the first topic of `KAFKA_TOPICS`, or `KAFKA_TOPIC` when that is unset. May not be a raw topic.",
     },
     kafka_dlq_topic: String = KAFKA_DLQ_TOPIC {
         default: "taskworker-dlq",
-        allowed: Allowed::KafkaTopic,
+        allowed: Allowed::KafkaTopicAt,
         secret: false,
         render: text,
-        description: "Topic failed activations with `on_attempts_exceeded` = DEADLETTER are produced to.",
+        description: "Topic failed activations with `on_attempts_exceeded` = DEADLETTER are produced to, as `topic` or `topic@cluster`.",
     },
     kafka_ingest_dlq_topic: String = KAFKA_INGEST_DLQ_TOPIC {
         default: "taskworker-ingest-dlq",
-        allowed: Allowed::KafkaTopic,
+        allowed: Allowed::KafkaTopicAt,
         secret: false,
         render: text,
-        description: "Topic consumed records that cannot be decoded or fail validation are produced to, with their original bytes.",
+        description: "Topic consumed records that cannot be decoded or fail validation are produced to, with their original bytes, as `topic` or `topic@cluster`.",
+    },
+    /// Validated items `topic[@cluster][#group]`; use [`Config::topology`].
+    kafka_topics: Vec<String> = KAFKA_TOPICS {
+        default: "",
+        allowed: Allowed::TopicList,
+        secret: false,
+        render: |items| list(items),
+        description: "Topics of TaskActivation records to consume, comma-separated, each `topic`, `topic@cluster` (a cluster of `KAFKA_CLUSTERS`) or either with `#group` (its consumer group; default `KAFKA_CONSUMER_GROUP` for the first topic and `KAFKA_CONSUMER_GROUP-<topic>` for each other, so one topic's rebalances never stall another's). Each gets a consumer of its own, with its own backpressure (`MAX_INFLIGHT` counts each topic's rows) and `topic` metrics label. Unset = `KAFKA_TOPIC` alone.",
+    },
+    /// `(name, bootstrap servers)` in order.
+    kafka_clusters: Vec<(String, String)> = KAFKA_CLUSTERS {
+        default: "",
+        allowed: Allowed::KafkaClusters,
+        secret: false,
+        render: |items| clusters(items),
+        description: "Kafka clusters besides the default one (`KAFKA_BROKERS`, `KAFKA_CONFIG`), as `name=host:port,host:port;name2=host:port`; names are letters, digits and `_`. The librdkafka properties of cluster `name` are `TASKBROKER_KAFKA_CLUSTER_<NAME>_CONFIG` (upper case, the format of `KAFKA_CONFIG`; never printed).",
+    },
+    /// `(topic[@cluster][#group], application/namespace/taskname)` in order.
+    kafka_raw_topics: Vec<(String, String)> = KAFKA_RAW_TOPICS {
+        default: "",
+        allowed: Allowed::RawTopics,
+        secret: false,
+        render: |items| pairs(items),
+        description: "Topics of plain payloads to consume, comma-separated `topic=application/namespace/taskname` (`topic` as in `KAFKA_TOPICS`): each record becomes a new task of that name whose only argument is the record's bytes, with an id derived from its cluster, topic, partition and offset (a replayed record is stored once). Consumed whether or not `KAFKA_TOPICS` lists the topic.",
+    },
+    kafka_raw_deadline: Duration = KAFKA_RAW_DEADLINE_SEC {
+        default: "30",
+        allowed: Allowed::Seconds { min: 1, max: 86_400 },
+        secret: false,
+        render: secs,
+        description: "`processing_deadline_duration` of tasks made from raw-topic records.",
+    },
+    kafka_raw_compression: RawCompression = KAFKA_RAW_COMPRESSION {
+        default: "zstd",
+        allowed: Allowed::OneOf(RawCompression::WORDS),
+        secret: false,
+        render: text,
+        description: "`parameters_bytes` of raw-topic tasks: `zstd` (a frame with its content size, header `compression-type: zstd`) or `none` (plain msgpack).",
     },
     kafka_auto_offset_reset: AutoOffsetReset = KAFKA_AUTO_OFFSET_RESET {
         default: "earliest",
@@ -416,6 +464,17 @@ fn list(items: &[String]) -> Option<String> {
     (!items.is_empty()).then(|| items.join(","))
 }
 
+/// `name=servers;name2=servers`; `None` (unset) when there are none.
+fn clusters(items: &[(String, String)]) -> Option<String> {
+    (!items.is_empty()).then(|| {
+        items
+            .iter()
+            .map(|(name, servers)| format!("{name}={servers}"))
+            .collect::<Vec<_>>()
+            .join(";")
+    })
+}
+
 /// Comma-separated `key=value` pairs; `None` (unset) when there are none.
 fn pairs(pairs: &[(String, String)]) -> Option<String> {
     list(
@@ -442,6 +501,7 @@ pub fn unknown_variables(vars: impl IntoIterator<Item = String>) -> Vec<String> 
             var.strip_prefix(ENV_PREFIX)
                 .is_some_and(|name| setting(name).is_none())
         })
+        .filter(|var| !super::topics::is_cluster_config_variable(var))
         .filter(|var| !is_test_hook(var))
         .collect();
     unknown.sort();

@@ -23,6 +23,8 @@
 //! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
 //! (1 MiB), and a record it refuses is never written.
 
+pub mod raw;
+
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -31,7 +33,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::FutureProducer;
 
-use crate::config::Config;
+use crate::config::{Config, KafkaCluster};
 
 /// Connection settings shared by every client.
 #[derive(Debug, Clone)]
@@ -58,6 +60,15 @@ impl KafkaSettings {
             brokers: config.kafka_brokers.clone(),
             properties: config.kafka_config.clone(),
             max_activation_bytes: config.max_activation_bytes,
+        }
+    }
+
+    /// The settings of one cluster of the topology (the default one included).
+    pub fn for_cluster(cluster: &KafkaCluster, max_activation_bytes: usize) -> Self {
+        KafkaSettings {
+            brokers: cluster.brokers.clone(),
+            properties: cluster.properties.clone(),
+            max_activation_bytes,
         }
     }
 

@@ -301,6 +301,10 @@ pub trait ActivationStore: Send + Sync + 'static {
     /// Row counts per status.
     async fn count_by_status(&self) -> StoreResult<StatusCounts>;
 
+    /// In-flight rows (Pending, Delay, Claimed, Processing) per Kafka topic
+    /// they were consumed from: each topic's consumer pauses on its own count.
+    async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>>;
+
     /// Age in seconds of the oldest first-attempt Pending or Claimed row,
     /// measured from when it became runnable (`received_at`, or `delay_until`
     /// when later); 0 when there is none. Read from indexes, not the whole

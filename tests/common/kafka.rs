@@ -33,8 +33,11 @@ impl MockKafka {
     pub fn consumer_config(&self, topic: &str, group: &str, ingest_dlq: &str) -> ConsumerConfig {
         ConsumerConfig {
             kafka: self.settings(),
+            cluster: taskbroker::config::DEFAULT_CLUSTER.to_owned(),
             topic: topic.to_owned(),
             group: group.to_owned(),
+            raw: None,
+            ingest_dlq_kafka: self.settings(),
             auto_offset_reset: "earliest".to_owned(),
             ingest_dlq_topic: ingest_dlq.to_owned(),
             batch_size: 256,

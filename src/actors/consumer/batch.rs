@@ -7,9 +7,14 @@ use std::collections::BTreeMap;
 
 use tokio::time::Instant;
 
-use super::ConsumeLoop;
+use rdkafka::message::{Headers as _, Message};
+
 use super::dead_letter::{Invalid, dead_letter_cut};
-use crate::model::{ActivationError, InflightActivation, KafkaPosition, inflight_from_record};
+use super::{ConsumeLoop, ConsumerConfig};
+use crate::kafka::raw::{RawRecord, raw_activation};
+use crate::model::{
+    ActivationError, InflightActivation, KafkaPosition, inflight_from_record, timestamp_in_range,
+};
 
 /// Records read since the last flush.
 #[derive(Default)]
@@ -29,15 +34,51 @@ impl Batch {
     }
 }
 
-/// The payload and position of a record, owned, so the borrowed message
-/// (and with it the consumer) is released at once.
-pub(super) fn record_of(message: &impl rdkafka::message::Message) -> (Vec<u8>, KafkaPosition) {
+/// The payload and position of a record, owned, so the borrowed message (and with it the
+/// consumer) is released at once. A raw topic's record is turned into the activation it
+/// stands for.
+pub(super) fn record_of(
+    config: &ConsumerConfig,
+    message: &impl Message,
+) -> (Vec<u8>, KafkaPosition) {
     let position = KafkaPosition {
         topic: message.topic().to_owned(),
         partition: message.partition(),
         offset: message.offset(),
     };
-    (message.payload().unwrap_or_default().to_vec(), position)
+    let payload = message.payload().unwrap_or_default();
+    let payload = match &config.raw {
+        // An oversized record is dead-lettered as it is, like any other.
+        Some(mode) if payload.len() <= config.max_activation_bytes => {
+            let headers = message
+                .headers()
+                .map(|headers| {
+                    headers
+                        .iter()
+                        .filter_map(|header| {
+                            let value = std::str::from_utf8(header.value?).ok()?;
+                            Some((header.key.to_owned(), value.to_owned()))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let timestamp = message
+                .timestamp()
+                .to_millis()
+                .and_then(chrono::DateTime::from_timestamp_millis)
+                .filter(|at| timestamp_in_range(*at));
+            let record = RawRecord {
+                cluster: &config.cluster,
+                position: &position,
+                payload,
+                headers,
+                timestamp,
+            };
+            raw_activation(record, mode, chrono::Utc::now())
+        }
+        _ => payload.to_vec(),
+    };
+    (payload, position)
 }
 
 impl ConsumeLoop {

@@ -69,6 +69,7 @@ pub use self::dead_letter::{
 use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
 use super::store::StoreHandle;
+use crate::config::RawMode;
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
 use crate::model::ActivationError;
@@ -88,9 +89,16 @@ pub const MIN_STOP_GRACE: Duration = Duration::from_secs(1);
 /// Settings of the consumer.
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
+    /// The cluster the topic is on.
     pub kafka: KafkaSettings,
+    /// Its name in the topology (raw tasks' ids include it).
+    pub cluster: String,
     pub topic: String,
     pub group: String,
+    /// How the topic's records become tasks when it is a raw topic.
+    pub raw: Option<RawMode>,
+    /// The cluster of the ingest dead-letter topic.
+    pub ingest_dlq_kafka: KafkaSettings,
     /// `earliest` or `latest`.
     pub auto_offset_reset: String,
     pub ingest_dlq_topic: String,
@@ -113,6 +121,17 @@ pub struct ConsumerConfig {
     /// cannot hold shutdown past `SHUTDOWN_TIMEOUT_MS` (see
     /// `ConsumerConfig::from_config`).
     pub stop_grace: Duration,
+}
+
+impl ConsumerConfig {
+    /// The topic's metrics label: `topic`, or `topic@cluster` off the default cluster.
+    pub fn label(&self) -> String {
+        crate::config::TopicAt {
+            topic: self.topic.clone(),
+            cluster: self.cluster.clone(),
+        }
+        .to_string()
+    }
 }
 
 /// Stop consuming: flush and commit what was read, then stop. Resolves when
@@ -156,6 +175,7 @@ impl Actor for ConsumerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        self.metrics.initialise_topic(&self.config.label());
         let consume = ConsumeLoop::start(
             self.config.clone(),
             self.store.clone(),
@@ -242,6 +262,8 @@ struct ConsumeLoop {
     store: StoreHandle,
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
+    /// The topic's metrics label.
+    label: String,
     stop: StopSignal,
     /// Records read and not yet handed to a flush.
     batch: Batch,
@@ -291,10 +313,11 @@ impl ConsumeLoop {
             .subscribe(&[config.topic.as_str()])
             .map_err(|err| format!("cannot subscribe to {}: {err}", config.topic))?;
         let dead_letters = config
-            .kafka
+            .ingest_dlq_kafka
             .create_producer(DEAD_LETTER_DELIVERY_TIMEOUT)
             .map_err(|err| format!("Kafka producer: {err}"))?;
         Ok(ConsumeLoop {
+            label: config.label(),
             config,
             consumer,
             ownership,
@@ -347,7 +370,7 @@ impl ConsumeLoop {
                 message = self.consumer.recv() => {
                     match message {
                         Ok(message) => {
-                            let (payload, position) = record_of(&message);
+                            let (payload, position) = record_of(&self.config, &message);
                             self.read(payload, position);
                             // Take whatever else librdkafka already holds, up
                             // to a full batch: with INSERT_BATCH_MAX_MS = 0
@@ -357,7 +380,7 @@ impl ConsumeLoop {
                             while self.batch.records() < self.config.batch_size {
                                 match self.consumer.recv().now_or_never() {
                                     Some(Ok(message)) => {
-                                        let (payload, position) = record_of(&message);
+                                        let (payload, position) = record_of(&self.config, &message);
                                         self.read(payload, position);
                                     }
                                     Some(Err(err)) => {
@@ -399,17 +422,23 @@ impl ConsumeLoop {
 
     fn rebalanced(&mut self, event: Rebalanced) {
         let assigned = self.consumer.assignment().map_or(0, |list| list.count());
-        self.metrics.partitions_assigned.set(assigned as i64);
+        self.metrics
+            .partitions_assigned
+            .with_label_values(&[&self.label])
+            .set(assigned as i64);
         match event {
             Rebalanced::Assigned => {
-                tracing::info!(partitions = assigned, "Kafka partitions assigned");
-                self.metrics.consumer_assignments.inc();
-                self.config.health.consumer_assigned();
+                tracing::info!(topic = %self.label, partitions = assigned, "Kafka partitions assigned");
+                self.metrics
+                    .consumer_assignments
+                    .with_label_values(&[&self.label])
+                    .inc();
+                self.config.health.consumer_assigned(&self.label);
             }
             // Rows already read are still stored (inserts are idempotent);
             // their offsets are left to the partition's next owner.
             Rebalanced::Revoked => {
-                tracing::info!(partitions = assigned, "Kafka partitions revoked")
+                tracing::info!(topic = %self.label, partitions = assigned, "Kafka partitions revoked")
             }
         }
         // The callback paused new partitions already; this keeps the gauge
@@ -422,6 +451,7 @@ impl ConsumeLoop {
     fn show_pending(&self) {
         self.metrics
             .consumer_pending_records
+            .with_label_values(&[&self.label])
             .set((self.batch.records() + self.flushing) as i64);
     }
 
@@ -494,10 +524,13 @@ impl ConsumeLoop {
             return Flushed::GaveUp;
         }
         let metrics = &self.metrics.consumer_records;
-        metrics.with_label_values(&["expired"]).inc_by(expired);
-        metrics.with_label_values(&["stored"]).inc_by(stored);
+        let topic = self.label.as_str();
         metrics
-            .with_label_values(&["duplicate"])
+            .with_label_values(&[topic, "expired"])
+            .inc_by(expired);
+        metrics.with_label_values(&[topic, "stored"]).inc_by(stored);
+        metrics
+            .with_label_values(&[topic, "duplicate"])
             .inc_by(read - refused - stored);
         #[cfg(feature = "test-hooks")]
         {
@@ -555,7 +588,7 @@ impl ConsumeLoop {
                 () = tokio::time::sleep_until(until) => return true,
                 message = self.consumer.recv() => match message {
                     Ok(message) => {
-                        let (payload, position) = record_of(&message);
+                        let (payload, position) = record_of(&self.config, &message);
                         self.read(payload, position);
                     }
                     Err(err) => {

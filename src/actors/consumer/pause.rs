@@ -1,12 +1,13 @@
 //! Backpressure and pausing: the consumer pauses every assigned partition
-//! while the store holds `MAX_INFLIGHT` rows or more (until they drop below
-//! 90 %) or while a flush waits on the store or the ingest DLQ, and checks
+//! while the store holds `MAX_INFLIGHT` rows of its topic or more (until they
+//! drop below 90 %; other topics' rows do not count, so one topic's backlog
+//! never pauses another's consumer) or while a flush waits on the store or the ingest DLQ, and checks
 //! the bound before every insert.
 
 use rdkafka::consumer::Consumer;
 
 use super::{ConsumeLoop, Stopped, TICK};
-use crate::actors::store::CountByStatus;
+use crate::actors::store::CountInflightByTopic;
 
 impl ConsumeLoop {
     /// Waits, paused, while the store holds `MAX_INFLIGHT` rows or more:
@@ -29,10 +30,14 @@ impl ConsumeLoop {
         Ok(())
     }
 
+    /// Reads this topic's in-flight rows from the store.
     pub(super) async fn refresh_inflight(&mut self) {
-        let count = self.store.call(CountByStatus {});
+        let count = self.store.call(CountInflightByTopic {});
         if let Some(Ok(counts)) = self.attempt(count).await {
-            self.inflight = counts.inflight();
+            self.inflight = counts
+                .iter()
+                .find(|(topic, _)| *topic == self.config.topic)
+                .map_or(0, |(_, count)| *count);
         }
     }
 
@@ -73,7 +78,10 @@ impl ConsumeLoop {
             {
                 tracing::warn!(error = %err, "cannot resume partitions");
             }
-            self.metrics.partitions_paused.set(0);
+            self.metrics
+                .partitions_paused
+                .with_label_values(&[&self.label])
+                .set(0);
         }
     }
 
@@ -83,7 +91,10 @@ impl ConsumeLoop {
                 if let Err(err) = self.consumer.pause(&assigned) {
                     tracing::warn!(error = %err, "cannot pause partitions");
                 }
-                self.metrics.partitions_paused.set(assigned.count() as i64);
+                self.metrics
+                    .partitions_paused
+                    .with_label_values(&[&self.label])
+                    .set(assigned.count() as i64);
             }
             Err(err) => tracing::warn!(error = %err, "cannot read the assignment"),
         }

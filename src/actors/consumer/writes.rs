@@ -123,11 +123,11 @@ impl ConsumeLoop {
             let reason = record.error.reason();
             self.metrics
                 .invalid_records
-                .with_label_values(&[reason])
+                .with_label_values(&[&self.label, reason])
                 .inc();
             self.metrics
                 .consumer_records
-                .with_label_values(&["invalid"])
+                .with_label_values(&[&self.label, "invalid"])
                 .inc();
             let position = &record.position;
             tracing::warn!(

@@ -194,6 +194,10 @@ store_messages! {
     CountByStatus {} -> StatusCounts,
         "count_by_status", |store, _msg| store.count_by_status();
 
+    /// In-flight rows per consumed topic (each consumer's backpressure).
+    CountInflightByTopic {} -> Vec<(String, u64)>,
+        "count_inflight_by_topic", |store, _msg| store.count_inflight_by_topic();
+
     /// A cheap check that the store answers (health, readiness).
     Ping {} -> (),
         "ping", |store, _msg| store.ping();

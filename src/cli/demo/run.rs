@@ -205,7 +205,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
     // Produce once the consumer holds its partitions, so the figures show
     // the broker at work rather than the consumer group's first join.
     let joined_by = Instant::now() + Duration::from_secs(60);
-    while metrics.partitions_assigned.get() == 0 {
+    while metrics.assigned_partitions() == 0 {
         if Instant::now() >= joined_by {
             return Err("the broker's consumer got no partition within 60 s".to_owned());
         }
@@ -236,7 +236,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
             .map(|counts| counts.total())
             .unwrap_or(u64::MAX);
         let (pushed, completed) = ledger.totals();
-        let stored = Metrics::count(&metrics.consumer_records, "stored");
+        let stored = metrics.consumed("stored");
         let line = format!(
             "produced {:>7} / {}   stored {:>7}   pushed {:>7}   completed {:>7}   in store {:>6}",
             produced.load(Ordering::Relaxed),

@@ -564,6 +564,20 @@ impl ActivationStore for PostgresStore {
         Ok(counts)
     }
 
+    async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
+        const OP: &str = "count_inflight_by_topic";
+        let rows = self
+            .query(&self.pool, OP, COUNT_INFLIGHT_BY_TOPIC, &[])
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let topic: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
+                let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
+                Ok((topic, u64::try_from(count).unwrap_or(0)))
+            })
+            .collect()
+    }
+
     async fn max_pending_lag(&self) -> StoreResult<f64> {
         const OP: &str = "max_pending_lag";
         let rows = self.query(&self.pool, OP, MAX_PENDING_LAG, &[]).await?;

@@ -257,6 +257,11 @@ pub(super) const REMOVE_COMPLETED: &str = "WITH picked AS MATERIALIZED (SELECT i
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 
+// Each consumed topic's backpressure: a scan, run by a consumer at startup,
+// before an insert that may cross MAX_INFLIGHT and while it is paused.
+pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM inflight_taskactivations \
+     WHERE status IN ('Pending', 'Delay', 'Claimed', 'Processing') GROUP BY topic";
+
 // Read from the two partial indexes, never the whole table: the 64 oldest
 // stored first-attempt Pending rows (by `added_at`) and the 64 oldest
 // first-attempt claims. The first stored is, but for a delay, the first

@@ -590,6 +590,24 @@ impl ActivationStore for SqliteStore {
         .await
     }
 
+    async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
+        const OP: &str = "count_inflight_by_topic";
+        self.read(OP, |connection| {
+            let mut statement = connection
+                .prepare_cached(COUNT_INFLIGHT_BY_TOPIC)
+                .map_err(|e| sql_error(OP, e))?;
+            let mut rows = statement.query([]).map_err(|e| sql_error(OP, e))?;
+            let mut counts = Vec::new();
+            while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
+                let topic: String = row.get(0).map_err(|e| sql_error(OP, e))?;
+                let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
+                counts.push((topic, u64::try_from(count).unwrap_or(0)));
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
     async fn max_pending_lag(&self) -> StoreResult<f64> {
         const OP: &str = "max_pending_lag";
         self.read(OP, |connection| {

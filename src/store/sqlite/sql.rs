@@ -182,6 +182,11 @@ pub(super) const REMOVE_COMPLETED: &str = "DELETE FROM inflight_taskactivations 
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 
+// Each consumed topic's backpressure: a scan, run by a consumer at startup,
+// before an insert that may cross MAX_INFLIGHT and while it is paused.
+pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM inflight_taskactivations \
+     WHERE status IN ('Pending', 'Delay', 'Claimed', 'Processing') GROUP BY topic";
+
 // From the partial indexes, as PostgreSQL's MAX_PENDING_LAG: the 64 oldest
 // stored first-attempt Pending rows and the 64 oldest first-attempt claims.
 pub(super) const OLDEST_RUNNABLE: &str = "SELECT min(runnable) FROM ( \

@@ -398,9 +398,12 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     let cpu_before = cpu_seconds();
     let consumer = ConsumerActor::new(
         ConsumerConfig {
+            ingest_dlq_kafka: kafka.clone(),
             kafka,
+            cluster: taskbroker::config::DEFAULT_CLUSTER.to_owned(),
             topic: "tasks".to_owned(),
             group: "bench".to_owned(),
+            raw: None,
             auto_offset_reset: "earliest".to_owned(),
             ingest_dlq_topic: "ingest-dlq".to_owned(),
             batch_size: args.batch,
@@ -420,8 +423,8 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     .start();
     let target = args.records as u64;
     let mut first_stored = None;
-    while Metrics::count(&metrics.consumer_records, "stored") < target {
-        if first_stored.is_none() && Metrics::count(&metrics.consumer_records, "stored") > 0 {
+    while metrics.consumed("stored") < target {
+        if first_stored.is_none() && metrics.consumed("stored") > 0 {
             first_stored = Some(started.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -702,6 +702,11 @@ impl Metrics {
         sum_where(&self.consumer_records, "result", result) as u64
     }
 
+    /// Invalid consumed records with `reason`, every topic together.
+    pub fn invalid(&self, reason: &str) -> u64 {
+        sum_where(&self.invalid_records, "reason", reason) as u64
+    }
+
     /// Partitions assigned to this broker, every topic together.
     pub fn assigned_partitions(&self) -> i64 {
         sum_where(&self.partitions_assigned, "", "") as i64

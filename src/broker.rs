@@ -190,14 +190,6 @@ fn cluster_settings(config: &Config, topology: &Topology, cluster: &str) -> Kafk
 }
 
 impl ConsumerConfig {
-    /// The consumer of the first consumed topic (`KAFKA_TOPIC` unless `KAFKA_TOPICS` says
-    /// otherwise).
-    pub fn from_config(config: &Config, health: Health) -> Self {
-        let topology = config.topology();
-        let first = topology.consumed[0].clone();
-        Self::for_topic(config, &topology, &first, health)
-    }
-
     /// The consumer of one consumed topic of the topology.
     pub fn for_topic(
         config: &Config,

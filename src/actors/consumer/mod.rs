@@ -119,7 +119,7 @@ pub struct ConsumerConfig {
     /// take before the consumer gives up on them without committing: long
     /// enough for a slow but healthy database, short enough that an outage
     /// cannot hold shutdown past `SHUTDOWN_TIMEOUT_MS` (see
-    /// `ConsumerConfig::from_config`).
+    /// `ConsumerConfig::for_topic`).
     pub stop_grace: Duration,
 }
 

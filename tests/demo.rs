@@ -61,3 +61,18 @@ fn demo_exits_1_when_tasks_miss_their_outcome() {
     assert_eq!(output.status.code(), Some(1), "{log}");
     assert!(log.contains("FAILED"), "{log}");
 }
+
+/// `demo --raw`: one in five tasks that should complete arrives on a raw
+/// topic as a plain payload; the broker turns each into a task the demo
+/// workers run and report, and the run checks every outcome as before.
+#[test]
+fn raw_demo_feeds_tasks_from_a_raw_topic() {
+    let output = demo(&["--tasks", "300", "--workers", "2", "--raw"]);
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{log}");
+    assert!(log.contains("raw topic:             demo-raw"), "{log}");
+    assert!(
+        log.contains("every task reached the outcome its kind should reach"),
+        "{log}"
+    );
+}

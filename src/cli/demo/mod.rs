@@ -46,6 +46,11 @@ pub struct DemoArgs {
     /// Give up after this many seconds (default: 60 + 1 s per 500 tasks).
     #[arg(long)]
     timeout_sec: Option<u64>,
+    /// Also consume a raw topic (`demo-raw`, TASKBROKER_KAFKA_RAW_TOPICS): one
+    /// in five tasks that should complete is produced as a plain payload,
+    /// which the broker turns into a `demo/raw/echo` task.
+    #[arg(long)]
+    raw: bool,
 }
 
 pub fn demo(args: DemoArgs) -> ExitCode {
@@ -65,6 +70,7 @@ pub fn demo(args: DemoArgs) -> ExitCode {
         mode,
         rate: args.rate,
         hold: args.hold,
+        raw: args.raw,
         timeout: Duration::from_secs(
             args.timeout_sec
                 .unwrap_or(60 + (args.tasks as u64).div_ceil(500)),

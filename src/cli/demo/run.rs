@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use prost::Message as _;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message as _;
+use rdkafka::message::{Header, Message as _, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
-use super::scenario::{Kind, Ledger, TaskRecord, report_for, wire_status};
+use super::scenario::{ID_HEADER, KIND_HEADER, Kind, Ledger, TaskRecord, report_for, wire_status};
 use super::worker::{DemoWorker, Mode};
 use taskbroker::broker::Broker;
 use taskbroker::config::{Config, DeliveryMode};
@@ -44,7 +44,13 @@ pub struct DemoOptions {
     pub hold: bool,
     /// Give up (and fail) after this long.
     pub timeout: Duration,
+    /// Also feed the raw topic [`RAW_TOPIC`].
+    pub raw: bool,
 }
+
+/// The raw topic of `taskbroker demo --raw`, and the task its records become.
+pub const RAW_TOPIC: &str = "demo-raw";
+const RAW_TASK: &str = "demo/raw/echo";
 
 /// The demo's result: whether every task reached its outcome.
 pub struct DemoOutcome {
@@ -125,6 +131,12 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
     if options.mode == DeliveryMode::Push {
         overrides.insert("TASKBROKER_WORKER_ENDPOINTS", endpoints);
     }
+    if options.raw {
+        overrides.insert(
+            "TASKBROKER_KAFKA_RAW_TOPICS",
+            format!("{RAW_TOPIC}={RAW_TASK}"),
+        );
+    }
     let defaults: HashMap<&str, &str> = HashMap::from([
         ("TASKBROKER_UPKEEP_INTERVAL_MS", "100"),
         ("TASKBROKER_LOG", "warn"),
@@ -142,6 +154,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
         config.kafka_retry_topic.as_deref().unwrap_or(""),
         config.kafka_dlq_topic.as_str(),
         config.kafka_ingest_dlq_topic.as_str(),
+        if options.raw { RAW_TOPIC } else { "" },
     ] {
         if !topic.is_empty() {
             cluster
@@ -182,6 +195,12 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
         options.tasks,
         super::scenario::DELAY_SECS
     );
+    if options.raw {
+        println!(
+            "  raw topic:             {RAW_TOPIC}: one in five tasks that should complete \
+             arrives as a plain payload and becomes a {RAW_TASK} task"
+        );
+    }
     println!();
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -218,8 +237,11 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
         bootstrap.clone(),
         config.kafka_topic.clone(),
         run_id.clone(),
-        options.tasks,
-        options.rate,
+        Plan {
+            tasks: options.tasks,
+            rate: options.rate,
+            raw: options.raw,
+        },
         Arc::clone(&ledger),
         Arc::clone(&produced),
     ));
@@ -330,15 +352,23 @@ fn open_store(
 }
 
 /// Produces the demo tasks, paced to `rate` per second when given.
+/// What the demo producer sends: how many tasks, how fast, and whether some
+/// go to the raw topic.
+struct Plan {
+    tasks: usize,
+    rate: Option<u64>,
+    raw: bool,
+}
+
 async fn produce(
     bootstrap: String,
     topic: String,
     run_id: String,
-    tasks: usize,
-    rate: Option<u64>,
+    plan: Plan,
     ledger: Arc<Ledger>,
     produced: Arc<AtomicU64>,
 ) -> Result<(), String> {
+    let Plan { tasks, rate, raw } = plan;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .set("message.timeout.ms", "30000")
@@ -354,14 +384,33 @@ async fn produce(
         }
         let kind = Kind::of_index(index);
         let id = format!("demo-{run_id}-{index}");
-        let payload = kind.activation(&id, chrono::Utc::now()).encode_to_vec();
+        // --raw: a plain payload whose headers the broker copies into the
+        // task it makes, so the workers and the ledger know it as this one.
+        let as_raw = raw && kind == Kind::Complete && index % 5 == 0;
+        let (topic, payload, headers) = if as_raw {
+            let headers = OwnedHeaders::new()
+                .insert(Header {
+                    key: KIND_HEADER,
+                    value: Some(kind.as_str()),
+                })
+                .insert(Header {
+                    key: ID_HEADER,
+                    value: Some(id.as_str()),
+                });
+            (RAW_TOPIC.to_owned(), id.clone().into_bytes(), headers)
+        } else {
+            let payload = kind.activation(&id, chrono::Utc::now()).encode_to_vec();
+            (topic.clone(), payload, OwnedHeaders::new())
+        };
         ledger.produced(&id, kind);
         let producer = producer.clone();
-        let topic = topic.clone();
         in_flight.push(async move {
             producer
                 .send(
-                    FutureRecord::to(&topic).key(&id).payload(&payload),
+                    FutureRecord::to(&topic)
+                        .key(&id)
+                        .payload(&payload)
+                        .headers(headers),
                     Duration::from_secs(30),
                 )
                 .await

@@ -77,16 +77,22 @@ pub fn raw_activation(record: RawRecord<'_>, mode: &RawMode, now: DateTime<Utc>)
     let mut headers: std::collections::HashMap<String, String> =
         record.headers.into_iter().collect();
     let arguments = msgpack_args(record.payload);
-    let parameters_bytes = match mode.compression {
-        RawCompression::None => {
+    // The bulk API writes the content size into the frame header. It fails
+    // only when zstd cannot allocate its context; the task then carries its
+    // arguments uncompressed, which the worker reads as well, rather than
+    // panicking on a record from outside.
+    let compressed = match mode.compression {
+        RawCompression::Zstd => zstd::bulk::compress(&arguments, ZSTD_LEVEL).ok(),
+        RawCompression::None => None,
+    };
+    let parameters_bytes = match compressed {
+        Some(frame) => {
+            headers.insert(COMPRESSION_HEADER.to_owned(), "zstd".to_owned());
+            frame
+        }
+        None => {
             headers.remove(COMPRESSION_HEADER);
             arguments
-        }
-        RawCompression::Zstd => {
-            headers.insert(COMPRESSION_HEADER.to_owned(), "zstd".to_owned());
-            // The bulk API writes the content size into the frame header.
-            zstd::bulk::compress(&arguments, ZSTD_LEVEL)
-                .expect("zstd compresses any input held in memory")
         }
     };
     let received_at = record.timestamp.unwrap_or(now);

@@ -34,7 +34,15 @@ struct Ports {
 }
 
 fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Child {
-    broker_command(db.env(), kafka, ports.grpc)
+    crash_broker(db, kafka, worker, ports)
+        .spawn()
+        .expect("start the broker binary")
+}
+
+/// `taskbroker run` set up so a kill always catches claims in flight.
+fn crash_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &Ports) -> Command {
+    let mut command = broker_command(db.env(), kafka, ports.grpc);
+    command
         .env("TASKBROKER_WORKER_ENDPOINTS", format!("*={}", worker.url()))
         .env(
             "TASKBROKER_METRICS_ADDR",
@@ -53,9 +61,8 @@ fn start_broker(db: &TestStore, kafka: &MockKafka, worker: &DemoWorker, ports: &
         )
         .env("TASKBROKER_UPKEEP_INTERVAL_MS", "100")
         .env("TASKBROKER_RESTART_GRACE_SEC", "0")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the broker binary")
+        .stderr(Stdio::piped());
+    command
 }
 
 /// Waits for the process and returns what it wrote to stderr.
@@ -126,7 +133,10 @@ async fn report_accepted(
     }
 }
 
-on_both_backends!(broker_killed_mid_run_loses_nothing_and_claims_return_by_lease);
+on_both_backends!(
+    broker_killed_mid_run_loses_nothing_and_claims_return_by_lease,
+    two_consumers_killed_mid_batch_lose_nothing,
+);
 
 async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend: Backend) {
     let db = TestStore::new(backend).await;
@@ -272,6 +282,115 @@ async fn broker_killed_mid_run_loses_nothing_and_claims_return_by_lease(backend:
         "{duplicates} duplicate deliveries; at-least-once allows {allowed}"
     );
 
+    terminate(&second);
+    let second_stderr = stderr_of(second).await;
+    for (run, stderr) in [("first", &first_stderr), ("second", &second_stderr)] {
+        assert!(
+            !stderr.contains("panicked"),
+            "{run} run panicked:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("ERROR"),
+            "{run} run logged an error:\n{stderr}"
+        );
+    }
+}
+
+/// Two consumers, `tasks` on the default cluster and `side` on a second
+/// one, each pausing on its own MAX_INFLIGHT share, killed while both are
+/// mid-stream (neither topic fully stored or committed) and started again:
+/// every task of both topics reaches the worker and is acknowledged, and
+/// the table ends empty.
+async fn two_consumers_killed_mid_batch_lose_nothing(backend: Backend) {
+    const PER_TOPIC: usize = 800;
+    let db = TestStore::new(backend).await;
+    let (default, east) = (MockKafka::start(), MockKafka::start());
+    default.create_topic("tasks", 2);
+    east.create_topic("side", 2);
+    let worker = FakeWorker::start(Mode::Accept {
+        delay: Duration::from_millis(5),
+    })
+    .await;
+    let task_ids: HashSet<String> = (0..PER_TOPIC).map(|i| format!("tasks-{i}")).collect();
+    let side_ids: HashSet<String> = (0..PER_TOPIC).map(|i| format!("side-{i}")).collect();
+    default
+        .produce("tasks", &encoded_tasks(&task_ids, "tasks", 120))
+        .await;
+    east.produce("side", &encoded_tasks(&side_ids, "side", 120))
+        .await;
+    let ids: HashSet<String> = task_ids.union(&side_ids).cloned().collect();
+    let ports = Ports {
+        grpc: free_port(),
+        metrics: free_port(),
+    };
+    let start = || {
+        crash_broker(&db, &default, &worker, &ports)
+            .env("TASKBROKER_KAFKA_CLUSTERS", format!("east={}", east.bootstrap()))
+            .env("TASKBROKER_KAFKA_TOPICS", "tasks,side@east")
+            .env("TASKBROKER_MAX_INFLIGHT", "150")
+            .env("TASKBROKER_INSERT_BATCH_SIZE", "50")
+            .spawn()
+            .expect("start the broker binary")
+    };
+
+    let mut leftovers = KillOnDrop::default();
+    let mut first = start();
+    leftovers.0.push(first.id());
+    let mut acknowledged: HashMap<String, usize> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let both_started = |accepted: &[String]| {
+        accepted.iter().any(|id| id.starts_with("tasks-"))
+            && accepted.iter().any(|id| id.starts_with("side-"))
+    };
+    loop {
+        let accepted = worker.seen.accepted();
+        if accepted.len() >= ids.len() / 4 && both_started(&accepted) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "first run made no progress"
+        );
+        if let Ok(Some(exit)) = first.try_wait() {
+            panic!("the broker exited ({exit}):\n{}", stderr_of(first).await);
+        }
+        report_accepted(ports.grpc, &worker, &mut acknowledged).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.kill().expect("SIGKILL the broker");
+    let first_stderr = stderr_of(first).await;
+    db.wait_for_dead_broker_backends().await;
+    // Both consumers were cut off mid-stream: neither had committed its
+    // whole topic (each holds at most MAX_INFLIGHT rows plus a batch).
+    let committed = |kafka: &MockKafka, group: &str, topic: &str| -> usize {
+        kafka
+            .committed(group, topic, 2)
+            .iter()
+            .map(|offset| (*offset).max(0) as usize)
+            .sum()
+    };
+    assert!(committed(&default, "taskbroker", "tasks") < PER_TOPIC);
+    assert!(committed(&east, "taskbroker-side", "side") < PER_TOPIC);
+
+    let second = start();
+    leftovers.0.push(second.id());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        report_accepted(ports.grpc, &worker, &mut acknowledged).await;
+        if ids.iter().all(|id| acknowledged.contains_key(id)) && total(&db).await == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "after restart: {} of {} acknowledged, {} rows left",
+            acknowledged.len(),
+            ids.len(),
+            total(&db).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let delivered: HashSet<String> = worker.seen.accepted().into_iter().collect();
+    assert_eq!(delivered, ids, "every task of both topics reached the worker");
     terminate(&second);
     let second_stderr = stderr_of(second).await;
     for (run, stderr) in [("first", &first_stderr), ("second", &second_stderr)] {

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::kafka::MockKafka;
 use common::process::encoded_tasks;
+use common::worker::{FakeWorker, Mode};
 use common::{Backend, TestStore, wait_until};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
@@ -22,8 +23,8 @@ use taskbroker::model::KafkaPosition;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::proto::worker_service_server::{WorkerService, WorkerServiceServer};
 use taskbroker::proto::{
-    GetTaskRequest, PushTaskRequest, PushTaskResponse, SetTaskStatusRequest, TaskActivation,
-    TaskActivationStatus,
+    GetTaskRequest, PushTaskRequest, PushTaskResponse, SetBatchActivationStatusRequest,
+    SetTaskStatusRequest, TaskActivation, TaskActivationStatus,
 };
 use taskbroker::store::ActivationStore;
 
@@ -60,6 +61,7 @@ on_both_backends!(
     two_topics_on_two_clusters_flow_while_one_is_paused_by_its_own_backpressure,
     a_raw_record_reaches_a_pushed_worker_with_its_exact_bytes,
     a_raw_record_reaches_a_pulling_worker_and_a_replay_is_stored_once,
+    push_mode_end_to_end_across_two_clusters_and_a_raw_topic,
 );
 
 /// `main` on the default cluster fills its share of the store
@@ -370,4 +372,126 @@ async fn a_raw_record_reaches_a_pulling_worker_and_a_replay_is_stored_once(backe
         );
     }
     second.stop().await;
+}
+
+/// Push mode over everything at once: `main` on the default cluster,
+/// `side` on `east`, and the raw topic `events` on `east`. Two workers
+/// accept every push and report COMPLETE in batches, as worker runtimes do;
+/// every task of every topic is pushed exactly once, completed, and gone
+/// from the table, and each topic's consumer counts its own records.
+async fn push_mode_end_to_end_across_two_clusters_and_a_raw_topic(backend: Backend) {
+    const MAIN: usize = 400;
+    const SIDE: usize = 200;
+    let db = TestStore::new(backend).await;
+    let store = db.store().await;
+    let (default, east) = (MockKafka::start(), MockKafka::start());
+    default.create_topic("main", 2);
+    east.create_topic("side", 2);
+    east.create_topic("events", 1);
+    let workers = [
+        FakeWorker::start(Mode::accept()).await,
+        FakeWorker::start(Mode::accept()).await,
+    ];
+    let endpoints = format!("*={}|{}", workers[0].url(), workers[1].url());
+    let config = config(
+        &db,
+        &[
+            ("DELIVERY_MODE", "push".to_owned()),
+            ("WORKER_ENDPOINTS", endpoints),
+            ("KAFKA_BROKERS", default.bootstrap()),
+            ("KAFKA_CLUSTERS", format!("east={}", east.bootstrap())),
+            ("KAFKA_TOPICS", "main,side@east".to_owned()),
+            (
+                "KAFKA_RAW_TOPICS",
+                "events@east=app/raw/ingest.event".to_owned(),
+            ),
+        ],
+    );
+    let metrics = Arc::new(Metrics::new());
+    let broker = Broker::start(&config, store.clone(), Arc::clone(&metrics), "test-host")
+        .expect("broker starts");
+    let main_ids: Vec<String> = (0..MAIN).map(|i| format!("main-{i}")).collect();
+    let side_ids: Vec<String> = (0..SIDE).map(|i| format!("side-{i}")).collect();
+    default
+        .produce("main", &encoded_tasks(&main_ids, "main", 60))
+        .await;
+    east.produce("side", &encoded_tasks(&side_ids, "side", 60))
+        .await;
+    let payloads = raw_payloads();
+    produce_raw(&east, "events", &payloads).await;
+    let raw_ids = (0..payloads.len()).map(|offset| {
+        raw_task_id(
+            "east",
+            &KafkaPosition {
+                topic: "events".to_owned(),
+                partition: 0,
+                offset: offset as i64,
+            },
+        )
+    });
+    let expected: BTreeSet<String> = main_ids
+        .iter()
+        .chain(&side_ids)
+        .cloned()
+        .chain(raw_ids)
+        .collect();
+
+    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+        .await
+        .unwrap();
+    let mut reported = BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while reported.len() < expected.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "reported {} of {}",
+            reported.len(),
+            expected.len()
+        );
+        let accepted: Vec<String> = workers
+            .iter()
+            .flat_map(|worker| worker.seen.accepted())
+            .filter(|id| !reported.contains(id))
+            .collect();
+        for chunk in accepted.chunks(100) {
+            let updates = chunk
+                .iter()
+                .map(|id| SetTaskStatusRequest {
+                    id: id.clone(),
+                    status: TaskActivationStatus::Complete as i32,
+                    ..Default::default()
+                })
+                .collect();
+            if client
+                .set_batch_activation_status(SetBatchActivationStatusRequest { updates })
+                .await
+                .is_ok()
+            {
+                reported.extend(chunk.iter().cloned());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(reported, expected);
+    let pushed: usize = workers.iter().map(|w| w.seen.accepted().len()).sum();
+    assert_eq!(pushed, expected.len(), "none pushed twice");
+    wait_until("the table empties", Duration::from_secs(30), || async {
+        store.count_by_status().await.unwrap().total() == 0
+    })
+    .await;
+    for (topic, records) in [
+        ("main", MAIN),
+        ("side@east", SIDE),
+        ("events@east", payloads.len()),
+    ] {
+        assert_eq!(
+            metrics
+                .consumer_records
+                .with_label_values(&[topic, "stored"])
+                .get(),
+            records as u64,
+            "records stored from {topic}"
+        );
+    }
+    broker.stop().await;
 }

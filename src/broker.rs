@@ -34,6 +34,7 @@ use crate::config::{Config, ConsumedTopic, DeliveryMode, TopicAt, Topology};
 use crate::kafka::KafkaSettings;
 use crate::metrics::Metrics;
 use crate::model::BucketRange;
+use crate::runtime::{RuntimeFile, RuntimeRules};
 use crate::store::ActivationStore;
 use crate::supervisor::{Health, Watched, watch_actors};
 use crate::wire::worker_tls::WorkerTlsFiles;
@@ -196,6 +197,7 @@ impl ConsumerConfig {
         topology: &Topology,
         consumed: &ConsumedTopic,
         health: Health,
+        rules: RuntimeRules,
     ) -> Self {
         ConsumerConfig {
             kafka: cluster_settings(config, topology, &consumed.topic.cluster),
@@ -217,6 +219,7 @@ impl ConsumerConfig {
             stop_grace: config.shutdown_timeout.saturating_sub(config.push_timeout) / 2,
             max_activation_bytes: config.max_activation_bytes,
             health,
+            rules,
             #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
         }
@@ -224,7 +227,7 @@ impl ConsumerConfig {
 }
 
 impl UpkeepConfig {
-    pub fn from_config(config: &Config, health: Health) -> Self {
+    pub fn from_config(config: &Config, health: Health, rules: RuntimeRules) -> Self {
         let delivery_timeout = std::time::Duration::from_secs(10);
         let topology = config.topology();
         let other_cluster = |topic: &TopicAt| {
@@ -244,6 +247,7 @@ impl UpkeepConfig {
             delivery_timeout,
             publish_lease: delivery_timeout * 3,
             health,
+            rules,
         }
     }
 }
@@ -304,6 +308,15 @@ impl Broker {
         )?
         .map(|files| crate::grpc::tls::ServerTls::load(files, Arc::clone(&metrics)).map(Arc::new))
         .transpose()?;
+        // Also checked before anything starts: a bad runtime file stops
+        // startup; while running, it is re-read on the upkeep's Arbiter.
+        let (runtime_file, rules) = match &config.runtime_config {
+            Some(path) => {
+                let (file, rules) = RuntimeFile::open(path, Arc::clone(&metrics))?;
+                (Some(file), rules)
+            }
+            None => (None, RuntimeRules::none()),
+        };
         let health = Health::new();
         // Peers' inserts wake this broker's fetchers (PostgreSQL), so idle
         // fetchers need not poll for them.
@@ -312,8 +325,12 @@ impl Broker {
             DeliveryMode::Pull => None,
         };
         let store_arbiter = Arbiter::new();
-        let store_actor =
-            StoreHandle::start_in_arbiter(&store_arbiter.handle(), store, Arc::clone(&metrics));
+        let store_actor = StoreHandle::start_in_arbiter(
+            &store_arbiter.handle(),
+            store,
+            Arc::clone(&metrics),
+            rules.clone(),
+        );
         let pipeline = match config.delivery_mode {
             DeliveryMode::Push => {
                 let pipeline_config = PushPipelineConfig::from_config(config, host_name);
@@ -340,12 +357,16 @@ impl Broker {
         let wake_on_new_rows = wake.clone();
         let upkeep_arbiter = Arbiter::new();
         let upkeep = UpkeepActor::new(
-            UpkeepConfig::from_config(config, health.clone()),
+            UpkeepConfig::from_config(config, health.clone(), rules.clone()),
             store_actor.clone(),
             wake.clone(),
             Arc::clone(&metrics),
         )?;
         let upkeep = UpkeepActor::start_in_arbiter(&upkeep_arbiter.handle(), move |_| upkeep);
+        if let Some(file) = runtime_file {
+            // Ends once every holder of the rules has stopped.
+            upkeep_arbiter.spawn(file.watch());
+        }
 
         // Every consumer on one Arbiter: they spend their time waiting on
         // Kafka and the store, and each still pauses on its own.
@@ -358,7 +379,13 @@ impl Broker {
             .iter()
             .map(|consumed| {
                 let consumer = ConsumerActor::new(
-                    ConsumerConfig::for_topic(config, &topology, consumed, health.clone()),
+                    ConsumerConfig::for_topic(
+                        config,
+                        &topology,
+                        consumed,
+                        health.clone(),
+                        rules.clone(),
+                    ),
                     store_actor.clone(),
                     wake.clone(),
                     Arc::clone(&metrics),

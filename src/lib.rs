@@ -5,7 +5,8 @@
 //!
 //! - `broker` assembles everything; `grpc` (the server) and `http` answer
 //!   from the actors;
-//! - `actors` use `store`, `wire` (signing, the PushTask client), `kafka`;
+//! - `actors` use `store`, `wire` (signing, the PushTask client), `kafka`,
+//!   `runtime` (the operators' rules from the runtime file);
 //! - `store` persists and fences `model` values; `model` uses only `proto`;
 //! - `config`, `metrics` and `supervisor` are leaves: they import nothing of
 //!   the crate.
@@ -19,6 +20,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod model;
 pub mod net;
+pub mod runtime;
 pub mod store;
 pub mod supervisor;
 pub mod wire;

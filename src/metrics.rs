@@ -132,6 +132,13 @@ pub struct Metrics {
     pub grpc_tls_loaded: IntGauge,
     /// gRPC connections dropped in the TLS handshake (refused or timed out).
     pub grpc_tls_handshake_failures: IntCounter,
+    /// Unix time the runtime file in force was loaded (0: none is set).
+    pub runtime_config_loaded: IntGauge,
+    /// Versions of the runtime file that were refused (unreadable or
+    /// invalid); the previous one stayed in force.
+    pub runtime_config_errors: IntCounter,
+    /// Rules in force from the runtime file, by kind (killswitches, paused).
+    pub runtime_rules: IntGaugeVec,
 }
 
 /// The label values the code emits, one list per label. The metrics are
@@ -165,7 +172,11 @@ pub mod labels {
         "lease_expired",
     ];
     /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
-    pub const CONSUMER_RESULTS: &[&str] = &["stored", "duplicate", "invalid", "expired"];
+    /// `killswitched`: dropped by a killswitch of the runtime file.
+    pub const CONSUMER_RESULTS: &[&str] =
+        &["stored", "duplicate", "invalid", "expired", "killswitched"];
+    /// `taskbroker_runtime_rules{kind}`.
+    pub const RUNTIME_RULE_KINDS: &[&str] = &["killswitches", "paused"];
     /// `taskbroker_consumer_invalid_records_total{reason}`:
     /// `ActivationError::reason`.
     pub const INVALID_REASONS: &[&str] = &[
@@ -194,6 +205,7 @@ pub mod labels {
         "release_expired_claims",
         "processing_deadlines",
         "fail_exhausted_attempts",
+        "remove_killswitched",
         "remove_expired",
         "release_delayed",
         "remove_completed",
@@ -208,6 +220,7 @@ pub mod labels {
         "processing_deadline_retried",
         "processing_deadline_failed",
         "fail_exhausted_attempts",
+        "remove_killswitched",
         "remove_expired",
         "release_delayed",
         "remove_completed",
@@ -221,6 +234,7 @@ pub mod labels {
         "release_expired_claims",
         "processing_deadlines",
         "fail_exhausted_attempts",
+        "remove_killswitched",
         "remove_expired",
         "release_delayed",
         "remove_completed",
@@ -256,6 +270,7 @@ pub mod labels {
         "release_expired_claims",
         "handle_processing_deadlines",
         "fail_exhausted_attempts",
+        "remove_killswitched",
         "remove_expired",
         "release_delayed",
         "take_for_publish",
@@ -512,8 +527,25 @@ impl Metrics {
             "gRPC connections that failed or did not finish the TLS handshake in time.",
         )
         .expect("valid metric definition");
+        let runtime_config_loaded = IntGauge::new(
+            "taskbroker_runtime_config_loaded_timestamp_seconds",
+            "Unix time the runtime file (TASKBROKER_RUNTIME_CONFIG) in force was loaded; 0 when none is set.",
+        )
+        .expect("valid metric definition");
+        let runtime_config_errors = counter(
+            "taskbroker_runtime_config_errors_total",
+            "Versions of the runtime file refused as unreadable or invalid (the previous one stayed in force).",
+        );
+        let runtime_rules = gauge_vec(
+            "taskbroker_runtime_rules",
+            "Rules in force from the runtime file, by kind.",
+            &["kind"],
+        );
         for collector in [
-            Box::new(grpc_tls_reloads.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(runtime_config_loaded.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(runtime_config_errors.clone()),
+            Box::new(runtime_rules.clone()),
+            Box::new(grpc_tls_reloads.clone()),
             Box::new(grpc_tls_loaded.clone()),
             Box::new(grpc_tls_handshake_failures.clone()),
             Box::new(status_updates.clone()),
@@ -593,6 +625,9 @@ impl Metrics {
             grpc_tls_reloads,
             grpc_tls_loaded,
             grpc_tls_handshake_failures,
+            runtime_config_loaded,
+            runtime_config_errors,
+            runtime_rules,
         };
         metrics.initialise_label_values();
         metrics
@@ -636,6 +671,9 @@ impl Metrics {
         }
         for status in ACTIVATION_STATUSES {
             self.activations.with_label_values(&[status]);
+        }
+        for kind in RUNTIME_RULE_KINDS {
+            self.runtime_rules.with_label_values(&[kind]);
         }
     }
 
@@ -819,7 +857,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 32, "{text}");
+        assert_eq!(families, 35, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

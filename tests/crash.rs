@@ -325,7 +325,10 @@ async fn two_consumers_killed_mid_batch_lose_nothing(backend: Backend) {
     };
     let start = || {
         crash_broker(&db, &default, &worker, &ports)
-            .env("TASKBROKER_KAFKA_CLUSTERS", format!("east={}", east.bootstrap()))
+            .env(
+                "TASKBROKER_KAFKA_CLUSTERS",
+                format!("east={}", east.bootstrap()),
+            )
             .env("TASKBROKER_KAFKA_TOPICS", "tasks,side@east")
             .env("TASKBROKER_MAX_INFLIGHT", "150")
             .env("TASKBROKER_INSERT_BATCH_SIZE", "50")
@@ -390,7 +393,10 @@ async fn two_consumers_killed_mid_batch_lose_nothing(backend: Backend) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let delivered: HashSet<String> = worker.seen.accepted().into_iter().collect();
-    assert_eq!(delivered, ids, "every task of both topics reached the worker");
+    assert_eq!(
+        delivered, ids,
+        "every task of both topics reached the worker"
+    );
     terminate(&second);
     let second_stderr = stderr_of(second).await;
     for (run, stderr) in [("first", &first_stderr), ("second", &second_stderr)] {

@@ -412,6 +412,7 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
             delivery_timeout: Duration::from_secs(5),
             publish_lease: Duration::from_secs(10),
             health: Default::default(),
+            rules: taskbroker::runtime::RuntimeRules::none(),
         },
         harness.store_actor.clone(),
         vec![],

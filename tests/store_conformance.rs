@@ -12,9 +12,9 @@ use chrono::{TimeDelta, Utc};
 use common::{insert, now, row, row_from, rows, task};
 use prost::Message;
 use taskbroker::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, InflightActivation,
-    OnAttemptsExceeded, PublishKind, PullFilter, RetryEdit, StatusUpdate, StatusUpdateOutcome,
-    WorkerStatus,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, Glob, InflightActivation,
+    Killswitch, OnAttemptsExceeded, PauseRule, PublishKind, PullFilter, RetryEdit, StatusUpdate,
+    StatusUpdateOutcome, WorkerStatus,
 };
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig, StoreError};
@@ -101,6 +101,10 @@ conformance!(
     deferred_claims_wait_in_delay_without_an_attempt,
     defer_claims_is_fenced,
     ping_answers,
+    claims_leave_out_paused_applications_and_namespaces,
+    pull_claims_leave_out_paused_applications_and_namespaces,
+    killswitched_rows_are_removed_except_processing,
+    killswitch_patterns_take_sql_wildcards_literally,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1413,4 +1417,231 @@ async fn ping_of_an_unreachable_postgres_is_unavailable() {
         started.elapsed() < Duration::from_secs(5),
         "bounded by the connect timeout"
     );
+}
+
+// ---------------------------------------------------------------- runtime rules
+
+/// A Pending row of `application`/`namespace` with task name `taskname`.
+fn row_of(id: &str, application: &str, namespace: &str, taskname: &str) -> InflightActivation {
+    let mut activation = task(id);
+    activation.application = Some(application.to_owned());
+    activation.namespace = namespace.to_owned();
+    activation.taskname = taskname.to_owned();
+    row_from(&activation)
+}
+
+fn pause(application: Option<&str>, namespace: Option<&str>) -> PauseRule {
+    PauseRule {
+        application: application.map(str::to_owned),
+        namespace: namespace.map(str::to_owned),
+    }
+}
+
+/// The rows of the pause tests: (id, application, namespace).
+const PAUSE_ROWS: &[(&str, &str, &str)] = &[
+    ("billing-invoices", "billing", "invoices"),
+    ("billing-refunds", "billing", "refunds"),
+    ("mail-invoices", "mail", "invoices"),
+    ("mail-welcome", "mail", "welcome"),
+];
+
+async fn insert_pause_rows(store: &Store) {
+    let rows: Vec<InflightActivation> = PAUSE_ROWS
+        .iter()
+        .map(|(id, application, namespace)| row_of(id, application, namespace, "t"))
+        .collect();
+    insert(store.as_ref(), &rows).await;
+}
+
+async fn claims_leave_out_paused_applications_and_namespaces(store: Store) {
+    insert_pause_rows(&store).await;
+    let claim = |paused: Vec<PauseRule>| {
+        let store = Arc::clone(&store);
+        async move {
+            let claimed = store
+                .claim_for_push_except(BucketRange::ALL, 100, LEASE, &paused)
+                .await
+                .expect("claim");
+            let mut got = ids(&claimed);
+            got.sort();
+            store.release_claims(&tokens(&claimed)).await.unwrap();
+            got
+        }
+    };
+    // An application, a namespace, a pair, and everything.
+    assert_eq!(
+        claim(vec![pause(Some("billing"), None)]).await,
+        ["mail-invoices", "mail-welcome"]
+    );
+    assert_eq!(
+        claim(vec![pause(None, Some("invoices"))]).await,
+        ["billing-refunds", "mail-welcome"]
+    );
+    assert_eq!(
+        claim(vec![pause(Some("billing"), Some("invoices"))]).await,
+        ["billing-refunds", "mail-invoices", "mail-welcome"]
+    );
+    assert_eq!(
+        claim(vec![
+            pause(Some("mail"), None),
+            pause(None, Some("refunds"))
+        ])
+        .await,
+        ["billing-invoices"]
+    );
+    assert!(claim(vec![pause(None, None)]).await.is_empty());
+    // Paused rows stay Pending, untouched, and are claimed once resumed.
+    for (id, _, _) in PAUSE_ROWS {
+        assert_eq!(status_of(&store, id).await, ActivationStatus::Pending);
+    }
+    assert_eq!(claim(Vec::new()).await.len(), PAUSE_ROWS.len());
+}
+
+async fn pull_claims_leave_out_paused_applications_and_namespaces(store: Store) {
+    insert_pause_rows(&store).await;
+    let filter = |application: Option<&str>| PullFilter {
+        application: application.map(str::to_owned),
+        namespace: None,
+    };
+    let paused = [pause(Some("billing"), None), pause(None, Some("welcome"))];
+    let mut pulled = Vec::new();
+    while let Some(row) = store
+        .claim_for_pull_except(&filter(None), NO_GRACE, &paused)
+        .await
+        .unwrap()
+    {
+        pulled.push(row.id);
+    }
+    assert_eq!(pulled, ["mail-invoices"]);
+    // A worker asking for the paused application gets nothing either.
+    assert!(
+        store
+            .claim_for_pull_except(&filter(Some("billing")), NO_GRACE, &paused)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // With the namespace filter too.
+    let namespace = PullFilter {
+        application: Some("mail".to_owned()),
+        namespace: Some("welcome".to_owned()),
+    };
+    assert!(
+        store
+            .claim_for_pull_except(&namespace, NO_GRACE, &paused)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let resumed = store
+        .claim_for_pull_except(&namespace, NO_GRACE, &[])
+        .await
+        .unwrap()
+        .expect("resumed");
+    assert_eq!(resumed.id, "mail-welcome");
+}
+
+fn killswitch(namespace: Option<&str>, taskname: Option<&str>) -> Killswitch {
+    Killswitch {
+        namespace: namespace.map(Glob::new),
+        taskname: taskname.map(Glob::new),
+    }
+}
+
+async fn killswitched_rows_are_removed_except_processing(store: Store) {
+    // Matching rows in every status, one Processing among them, and rows
+    // that match one pattern of the killswitch but not the other.
+    let killed = |id: &str, status| {
+        with_status(row_of(id, "app", "billing-eu", "billing.send_mail"), status)
+    };
+    insert(
+        store.as_ref(),
+        &[killed("running", ActivationStatus::Pending)],
+    )
+    .await;
+    let running = claim_all(&store, LEASE).await;
+    store
+        .mark_processing(&tokens(&running), Duration::from_secs(60))
+        .await
+        .unwrap();
+    insert(
+        store.as_ref(),
+        &[killed("claimed", ActivationStatus::Pending)],
+    )
+    .await;
+    let claimed = claim_all(&store, LEASE).await;
+    assert_eq!(ids(&claimed), ["claimed"]);
+    insert(
+        store.as_ref(),
+        &[
+            killed("pending", ActivationStatus::Pending),
+            killed("delay", ActivationStatus::Delay),
+            killed("retry", ActivationStatus::Retry),
+            killed("failure", ActivationStatus::Failure),
+            row_of("other-task", "app", "billing-eu", "billing.refund"),
+            row_of("other-ns", "app", "mail", "billing.send_mail"),
+        ],
+    )
+    .await;
+
+    let rules = [killswitch(Some("billing-*"), Some("billing.send_*"))];
+    assert_eq!(store.remove_killswitched(&[], 100).await.unwrap(), 0);
+    // Bounded by the limit, then the rest.
+    assert_eq!(store.remove_killswitched(&rules, 3).await.unwrap(), 3);
+    assert_eq!(store.remove_killswitched(&rules, 100).await.unwrap(), 2);
+    assert_eq!(store.remove_killswitched(&rules, 100).await.unwrap(), 0);
+    for gone in ["pending", "delay", "retry", "failure", "claimed"] {
+        assert!(store.get(gone).await.unwrap().is_none(), "{gone} removed");
+    }
+    for kept in ["other-task", "other-ns"] {
+        assert_eq!(status_of(&store, kept).await, ActivationStatus::Pending);
+    }
+    // The worker running it still reports it; the push of the removed
+    // claim finds it gone, like any stale claim.
+    assert_eq!(
+        status_of(&store, "running").await,
+        ActivationStatus::Processing
+    );
+    assert!(
+        store
+            .mark_processing(&tokens(&claimed), NO_GRACE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // A killswitch naming only the task name matches every namespace.
+    let by_name = [killswitch(None, Some("billing.send_mail"))];
+    assert_eq!(store.remove_killswitched(&by_name, 100).await.unwrap(), 1);
+    assert!(store.get("other-ns").await.unwrap().is_none());
+}
+
+async fn killswitch_patterns_take_sql_wildcards_literally(store: Store) {
+    insert(
+        store.as_ref(),
+        &[
+            row_of("percent", "app", "ns", "100%_done"),
+            row_of("lookalike", "app", "ns", "100xxdone"),
+            row_of("bracket", "app", "ns", "[x]task"),
+            row_of("x-task", "app", "ns", "xtask"),
+            row_of("backslash", "app", "ns", "a\\b"),
+            row_of("ab", "app", "ns", "ab"),
+        ],
+    )
+    .await;
+    let remove = |pattern: &str| {
+        let store = Arc::clone(&store);
+        let rules = [killswitch(None, Some(pattern))];
+        async move { store.remove_killswitched(&rules, 100).await.unwrap() }
+    };
+    assert_eq!(remove("100%_done").await, 1);
+    assert!(store.get("lookalike").await.unwrap().is_some());
+    assert_eq!(remove("[x]task").await, 1);
+    assert!(store.get("x-task").await.unwrap().is_some());
+    assert_eq!(remove("a\\b").await, 1);
+    assert!(store.get("ab").await.unwrap().is_some());
+    // `?` is one character, `*` any run.
+    assert_eq!(remove("?task").await, 1);
+    assert_eq!(remove("100*").await, 1);
+    assert!(store.get("ab").await.unwrap().is_some());
 }

@@ -75,6 +75,7 @@ impl Harness {
             delivery_timeout: Duration::from_secs(2),
             publish_lease: Duration::from_secs(3),
             health: Default::default(),
+            rules: taskbroker::runtime::RuntimeRules::none(),
         }
     }
 

@@ -52,11 +52,12 @@ use super::fetch::WakeFetch;
 use super::store::{
     CountByStatus, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
-    RemoveExpired, StoreActor, StoreHandle, StoreMessage, TakeForPublish,
+    RemoveExpired, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage, TakeForPublish,
 };
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
 use crate::model::{DeadlineOutcome, PublishKind};
+use crate::runtime::RuntimeRules;
 use crate::store::StoreResult;
 use crate::supervisor::Health;
 
@@ -84,6 +85,8 @@ pub struct UpkeepConfig {
     pub publish_lease: Duration,
     /// Where each completed cycle is reported (gRPC health watches it).
     pub health: Health,
+    /// The operators' rules: stored rows a killswitch matches are removed.
+    pub rules: RuntimeRules,
 }
 
 /// Run one upkeep cycle now (unless one is running). Answers whether a cycle
@@ -328,6 +331,14 @@ impl Cycle {
             limit,
         })
         .await;
+        let killswitches = self.config.rules.current().killswitches;
+        if !killswitches.is_empty() {
+            self.repeat("remove_killswitched", || RemoveKillswitched {
+                killswitches: Arc::clone(&killswitches),
+                limit,
+            })
+            .await;
+        }
         self.repeat("remove_expired", || RemoveExpired { limit })
             .await;
         runnable += self

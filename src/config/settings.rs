@@ -415,6 +415,13 @@ settings! {
         render: secs,
         description: "After startup, upkeep waits this long before expiring processing deadlines and claim leases, so workers can report results held while the broker was down.",
     },
+    runtime_config: Option<PathBuf> = RUNTIME_CONFIG {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: path,
+        description: "YAML file of operators' rules applied while the broker runs (killswitches, paused applications and namespaces; see docs/operations.md, \"Runtime rules\"), re-read within a second of a change; unset = no rules. A file that cannot be read or is invalid stops startup; later, a bad version is logged and counted and the last good one stays in force.",
+    },
     shutdown_timeout: Duration = SHUTDOWN_TIMEOUT_MS {
         default: "30000",
         allowed: Allowed::Millis { min: 1000, max: 600_000 },

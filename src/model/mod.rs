@@ -11,6 +11,7 @@ mod claim;
 mod report;
 pub mod retry;
 mod row;
+mod rules;
 
 pub use activation::{
     ActivationError, KafkaPosition, MAX_ID_BYTES, MAX_NAME_BYTES, TextProblem, check_text,
@@ -26,3 +27,4 @@ pub use row::{
     ActivationStatus, BUCKET_COUNT, BucketRange, InflightActivation, OnAttemptsExceeded,
     bucket_for_id,
 };
+pub use rules::{Glob, Killswitch, PauseRule, TaskRules};

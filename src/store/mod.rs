@@ -23,8 +23,8 @@ pub use sqlite::{SqliteStore, SqliteStoreConfig};
 // and are imported from `crate::model` by everyone, the store included.
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, PublishKind, PullFilter, RetryEdit, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome,
+    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, RetryEdit, StatusCounts,
+    StatusUpdate, StatusUpdateOutcome,
 };
 
 use std::time::Duration;
@@ -204,6 +204,19 @@ pub trait ActivationStore: Send + Sync + 'static {
         buckets: BucketRange,
         limit: usize,
         lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>> {
+        self.claim_for_push_except(buckets, limit, lease, &[]).await
+    }
+
+    /// `claim_for_push`, leaving out rows any of the `paused` rules match
+    /// (they stay Pending, untouched). With no rules it is the same
+    /// statement as `claim_for_push`.
+    async fn claim_for_push_except(
+        &self,
+        buckets: BucketRange,
+        limit: usize,
+        lease: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Vec<ClaimedActivation>>;
 
     /// Pull mode: moves the oldest Pending, unexpired row matching `filter`
@@ -213,6 +226,17 @@ pub trait ActivationStore: Send + Sync + 'static {
         &self,
         filter: &PullFilter,
         deadline_grace: Duration,
+    ) -> StoreResult<Option<InflightActivation>> {
+        self.claim_for_pull_except(filter, deadline_grace, &[])
+            .await
+    }
+
+    /// `claim_for_pull`, leaving out rows any of the `paused` rules match.
+    async fn claim_for_pull_except(
+        &self,
+        filter: &PullFilter,
+        deadline_grace: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Option<InflightActivation>>;
 
     /// Returns claimed rows to Pending in one statement, fenced. Never
@@ -270,6 +294,16 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// Upkeep: Pending rows that used `max_attempts` or more → Failure.
     async fn fail_exhausted_attempts(&self, max_attempts: u32, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: deletes up to `limit` rows any of the `killswitches` match,
+    /// in every status but Processing (a worker is running those; its
+    /// report ends them). Returns how many were deleted; no killswitches,
+    /// no statement.
+    async fn remove_killswitched(
+        &self,
+        killswitches: &[Killswitch],
+        limit: usize,
+    ) -> StoreResult<u64>;
 
     /// Upkeep: deletes Pending rows whose `expires_at` has passed.
     async fn remove_expired(&self, limit: usize) -> StoreResult<u64>;

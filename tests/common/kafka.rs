@@ -48,6 +48,7 @@ impl MockKafka {
             #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
             health: Default::default(),
+            rules: taskbroker::runtime::RuntimeRules::none(),
             stop_grace: MIN_STOP_GRACE,
         }
     }

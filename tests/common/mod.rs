@@ -545,5 +545,6 @@ pub fn start_store_actor(
         &actix::Arbiter::new().handle(),
         store,
         metrics,
+        taskbroker::runtime::RuntimeRules::none(),
     )
 }

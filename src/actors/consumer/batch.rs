@@ -1,6 +1,6 @@
 //! The batch a consumer builds between flushes: each record read is
 //! classified (a row to store, an invalid record for the ingest dead-letter
-//! topic, or an expired one to count) and its offset noted under the
+//! topic, or an expired or killswitched one to count) and its offset noted under the
 //! partition's ownership generation, so a flush commits only what it settled.
 
 use std::collections::BTreeMap;
@@ -22,6 +22,8 @@ pub(super) struct Batch {
     pub(super) rows: Vec<InflightActivation>,
     pub(super) invalid: Vec<Invalid>,
     pub(super) expired: u64,
+    /// Records a killswitch dropped.
+    pub(super) killswitched: u64,
     /// Per (topic, partition): the ownership generation the records were
     /// read under, and the highest offset read.
     pub(super) offsets: BTreeMap<(String, i32), (u64, i64)>,
@@ -30,7 +32,7 @@ pub(super) struct Batch {
 
 impl Batch {
     pub(super) fn records(&self) -> usize {
-        self.rows.len() + self.invalid.len() + self.expired as usize
+        self.rows.len() + self.invalid.len() + (self.expired + self.killswitched) as usize
     }
 }
 
@@ -129,6 +131,9 @@ impl ConsumeLoop {
             match inflight_from_record(&payload, position.clone(), now, self.config.max_delay) {
                 Ok(row) if row.expires_at.is_some_and(|expires| expires <= now) => {
                     batch.expired += 1;
+                }
+                Ok(row) if self.config.rules.killed(&row.namespace, &row.taskname) => {
+                    batch.killswitched += 1;
                 }
                 Ok(row) => batch.rows.push(row),
                 Err(error) => batch.invalid.push(Invalid {

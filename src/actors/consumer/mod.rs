@@ -9,7 +9,7 @@
 //!
 //! Offsets are committed by hand, and only up to records the batch fully
 //! settled: rows the StoreActor acknowledged as durable, invalid records the
-//! ingest DLQ acknowledged, expired records counted. A crash between insert
+//! ingest DLQ acknowledged, expired and killswitched records counted. A crash between insert
 //! and commit re-reads the batch; inserts are idempotent, so each activation
 //! is still stored once. Offsets of a partition revoked after its records
 //! were read are never committed: its new owner re-reads them.
@@ -73,6 +73,7 @@ use crate::config::RawMode;
 use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
 use crate::metrics::Metrics;
 use crate::model::ActivationError;
+use crate::runtime::RuntimeRules;
 use crate::supervisor::Health;
 
 /// How often a paused consumer re-reads the in-flight count, and the longest
@@ -109,6 +110,8 @@ pub struct ConsumerConfig {
     pub max_activation_bytes: usize,
     /// Where assignments are reported (readiness waits for the first).
     pub health: Health,
+    /// The operators' rules: records a killswitch matches are dropped.
+    pub rules: RuntimeRules,
     /// Test-only switch (`test-hooks` builds only): after this many stored
     /// batches the loop stops without committing, as if the process died
     /// between insert and commit.
@@ -483,6 +486,7 @@ impl ConsumeLoop {
             mut rows,
             mut invalid,
             expired,
+            killswitched,
             offsets,
             ..
         } = batch;
@@ -528,6 +532,9 @@ impl ConsumeLoop {
         metrics
             .with_label_values(&[topic, "expired"])
             .inc_by(expired);
+        metrics
+            .with_label_values(&[topic, "killswitched"])
+            .inc_by(killswitched);
         metrics.with_label_values(&[topic, "stored"]).inc_by(stored);
         metrics
             .with_label_values(&[topic, "duplicate"])

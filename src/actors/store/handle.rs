@@ -13,6 +13,7 @@ use actix::prelude::*;
 
 use super::{StoreActor, StoreMessage};
 use crate::metrics::Metrics;
+use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
 
 /// A typed, cloneable handle on a running StoreActor.
@@ -28,16 +29,28 @@ impl StoreHandle {
         arbiter: &ArbiterHandle,
         store: Arc<dyn ActivationStore>,
         metrics: Arc<Metrics>,
+        rules: RuntimeRules,
     ) -> StoreHandle {
         StoreHandle {
-            addr: StoreActor::start_in_arbiter(arbiter, move |_| StoreActor::new(store, metrics)),
+            addr: StoreActor::start_in_arbiter(arbiter, move |_| {
+                StoreActor::new(store, metrics, rules)
+            }),
         }
     }
 
     /// Starts a StoreActor for `store` on the current Arbiter.
     pub fn start(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> StoreHandle {
+        StoreHandle::start_with_rules(store, metrics, RuntimeRules::none())
+    }
+
+    /// Starts a StoreActor whose claims obey `rules`, on the current Arbiter.
+    pub fn start_with_rules(
+        store: Arc<dyn ActivationStore>,
+        metrics: Arc<Metrics>,
+        rules: RuntimeRules,
+    ) -> StoreHandle {
         StoreHandle {
-            addr: StoreActor::new(store, metrics).start(),
+            addr: StoreActor::new(store, metrics, rules).start(),
         }
     }
 

@@ -30,9 +30,10 @@ use actix::prelude::*;
 
 use crate::metrics::Metrics;
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
-    PullFilter, StatusCounts, StatusUpdate,
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
+    PublishKind, PullFilter, StatusCounts, StatusUpdate,
 };
+use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
 
 /// Messages queue here only while actix hands them to their futures, so a
@@ -42,6 +43,9 @@ pub const MAILBOX_CAPACITY: usize = 1024;
 pub struct StoreActor {
     store: Arc<dyn ActivationStore>,
     metrics: Arc<Metrics>,
+    /// The operators' rules every claim obeys (paused applications and
+    /// namespaces), whoever asks for it.
+    rules: RuntimeRules,
     pushed: combined::CombinedWrites<(ClaimToken, Duration, Instant), bool>,
     reported: combined::CombinedWrites<Vec<StatusUpdate>, ()>,
     recent: combined::Recent,
@@ -49,10 +53,11 @@ pub struct StoreActor {
 
 impl StoreActor {
     /// Started only through [`StoreHandle`], so no caller holds its address.
-    fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> Self {
+    fn new(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>, rules: RuntimeRules) -> Self {
         StoreActor {
             store,
             metrics,
+            rules,
             pushed: Default::default(),
             reported: Default::default(),
             recent: Default::default(),
@@ -83,7 +88,7 @@ macro_rules! store_messages {
     ($(
         $(#[$doc:meta])*
         $name:ident { $($field:ident : $ty:ty),* $(,)? } -> $ret:ty,
-        $op:literal, |$store:ident, $msg:ident| $call:expr;
+        $op:literal, |$store:ident, $msg:ident $(, $rules:ident)?| $call:expr;
     )*) => {$(
         $(#[$doc])*
         #[derive(Debug)]
@@ -104,6 +109,7 @@ macro_rules! store_messages {
             fn handle(&mut self, $msg: $name, _ctx: &mut Self::Context) -> Self::Result {
                 let store = Arc::clone(&self.store);
                 let metrics = Arc::clone(&self.metrics);
+                $(let $rules = self.rules.current();)?
                 Box::pin(async move {
                     let started = Instant::now();
                     let $store = store.as_ref();
@@ -132,13 +138,15 @@ store_messages! {
     InsertBatch { rows: Arc<Vec<InflightActivation>> } -> u64,
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
-    /// Claim Pending rows of a bucket range for push delivery.
+    /// Claim Pending rows of a bucket range for push delivery, leaving out
+    /// paused applications and namespaces.
     ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
-        "claim_for_push", |store, msg| store.claim_for_push(msg.buckets, msg.limit, msg.lease);
+        "claim_for_push", |store, msg, rules| store.claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.paused);
 
-    /// Pull mode: hand the oldest matching Pending row to a worker.
+    /// Pull mode: hand the oldest matching Pending row to a worker, leaving
+    /// out paused applications and namespaces.
     ClaimForPull { filter: PullFilter, deadline_grace: Duration } -> Option<InflightActivation>,
-        "claim_for_pull", |store, msg| store.claim_for_pull(&msg.filter, msg.deadline_grace);
+        "claim_for_pull", |store, msg, rules| store.claim_for_pull_except(&msg.filter, msg.deadline_grace, &rules.paused);
 
     /// Return claims to Pending in one fenced statement.
     ReleaseClaims { claims: Vec<ClaimToken> } -> u64,
@@ -165,6 +173,10 @@ store_messages! {
     FailExhaustedAttempts { max_attempts: u32, limit: usize } -> u64,
         "fail_exhausted_attempts",
         |store, msg| store.fail_exhausted_attempts(msg.max_attempts, msg.limit);
+
+    /// Upkeep: delete rows a killswitch matches (Processing ones excepted).
+    RemoveKillswitched { killswitches: Arc<[Killswitch]>, limit: usize } -> u64,
+        "remove_killswitched", |store, msg| store.remove_killswitched(&msg.killswitches, msg.limit);
 
     /// Upkeep: delete expired Pending rows.
     RemoveExpired { limit: usize } -> u64,

@@ -25,8 +25,8 @@ use self::rows::{activation_from_row, activations_from_rows, limit, micros, spli
 use self::sql::*;
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
-    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
+    PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -280,56 +280,92 @@ impl ActivationStore for PostgresStore {
         Ok(u64::try_from(count).unwrap_or(0))
     }
 
-    async fn claim_for_push(
+    async fn claim_for_push_except(
         &self,
         buckets: BucketRange,
         limit_rows: usize,
         lease: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
             return Ok(Vec::new());
         }
-        let rows = self
-            .query(
+        let (first, last, limit_rows, lease) = (
+            buckets.first,
+            buckets.last,
+            limit(limit_rows),
+            micros(lease),
+        );
+        let rows = if paused.is_empty() {
+            self.query(
                 &self.replayable,
                 OP,
                 CLAIM_FOR_PUSH,
+                &[&first, &last, &limit_rows, &lease],
+            )
+            .await?
+        } else {
+            let (applications, namespaces) = pause_columns(paused);
+            self.query(
+                &self.replayable,
+                OP,
+                CLAIM_FOR_PUSH_UNPAUSED,
                 &[
-                    &buckets.first,
-                    &buckets.last,
-                    &limit(limit_rows),
-                    &micros(lease),
+                    &first,
+                    &last,
+                    &limit_rows,
+                    &lease,
+                    &applications,
+                    &namespaces,
                 ],
             )
-            .await?;
+            .await?
+        };
         claimed_rows(activations_from_rows(&rows)?)
     }
 
-    async fn claim_for_pull(
+    async fn claim_for_pull_except(
         &self,
         filter: &PullFilter,
         deadline_grace: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Option<InflightActivation>> {
         const OP: &str = "claim_for_pull";
-        let sql = match (&filter.application, &filter.namespace) {
-            (None, None) => CLAIM_FOR_PULL_ANY,
-            (Some(_), None) => CLAIM_FOR_PULL_APPLICATION,
-            (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
-            (None, Some(_)) => return Ok(None),
+        let sql = match (&filter.application, &filter.namespace, paused.is_empty()) {
+            (None, Some(_), _) => return Ok(None),
+            (None, None, true) => CLAIM_FOR_PULL_ANY,
+            (Some(_), None, true) => CLAIM_FOR_PULL_APPLICATION,
+            (Some(_), Some(_), true) => CLAIM_FOR_PULL_NAMESPACE,
+            (None, None, false) => CLAIM_FOR_PULL_ANY_UNPAUSED,
+            (Some(_), None, false) => CLAIM_FOR_PULL_APPLICATION_UNPAUSED,
+            (Some(_), Some(_), false) => CLAIM_FOR_PULL_NAMESPACE_UNPAUSED,
         };
-        let rows = self
-            .query(
+        let grace = deadline_grace.as_secs_f64();
+        let rows = if paused.is_empty() {
+            self.query(
+                &self.pool,
+                OP,
+                sql,
+                &[&grace, &filter.application, &filter.namespace],
+            )
+            .await?
+        } else {
+            let (applications, namespaces) = pause_columns(paused);
+            self.query(
                 &self.pool,
                 OP,
                 sql,
                 &[
-                    &deadline_grace.as_secs_f64(),
+                    &grace,
                     &filter.application,
                     &filter.namespace,
+                    &applications,
+                    &namespaces,
                 ],
             )
-            .await?;
+            .await?
+        };
         rows.first().map(activation_from_row).transpose()
     }
 
@@ -487,6 +523,25 @@ impl ActivationStore for PostgresStore {
         .await
     }
 
+    async fn remove_killswitched(
+        &self,
+        killswitches: &[Killswitch],
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        if killswitches.is_empty() {
+            return Ok(0);
+        }
+        let (namespaces, tasknames): (Vec<String>, Vec<String>) =
+            killswitches.iter().map(Killswitch::like_patterns).unzip();
+        self.execute(
+            &self.pool,
+            "remove_killswitched",
+            REMOVE_KILLSWITCHED,
+            &[&namespaces, &tasknames, &limit(limit_rows)],
+        )
+        .await
+    }
+
     async fn remove_expired(&self, limit_rows: usize) -> StoreResult<u64> {
         self.execute(
             &self.pool,
@@ -613,4 +668,13 @@ impl ActivationStore for PostgresStore {
         self.execute(&self.pool, OP, DEFER_CLAIMS, &[&ids, &expiries, &until])
             .await
     }
+}
+
+/// Paused rules as the two array parameters of the `_UNPAUSED` claims.
+#[allow(clippy::type_complexity)]
+fn pause_columns(paused: &[PauseRule]) -> (Vec<Option<&str>>, Vec<Option<&str>>) {
+    paused
+        .iter()
+        .map(|rule| (rule.application.as_deref(), rule.namespace.as_deref()))
+        .unzip()
 }

@@ -53,20 +53,44 @@ pub(super) const INSERT: &str = concat!(
 
 // The new expiry is strictly later than any this row had, even if the clock
 // or the lease went backwards: that is what makes the fence unambiguous.
-pub(super) const CLAIM_FOR_PUSH: &str = concat!(
-    "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
-       WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
-         AND (expires_at IS NULL OR expires_at > now()) \
-       ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
-     UPDATE inflight_taskactivations t SET status = 'Claimed', \
-       claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
-                                   t.claim_expires_at + interval '1 microsecond') \
-     FROM picked WHERE t.id = picked.id RETURNING ",
-    columns!(t)
-);
+// Paused applications and namespaces ($5, $6: one pair per rule, NULL for
+// "any") are left out of claims. The variant without them is the common
+// case and keeps its plan exactly as before.
+macro_rules! not_paused {
+    ($app:literal, $namespace:literal) => {
+        concat!(
+            " AND NOT EXISTS (SELECT 1 FROM unnest(",
+            $app,
+            "::text[], ",
+            $namespace,
+            "::text[]) AS p(application, namespace) \
+               WHERE (p.application IS NULL OR p.application = inflight_taskactivations.application) \
+                 AND (p.namespace IS NULL OR p.namespace = inflight_taskactivations.namespace))"
+        )
+    };
+}
+
+macro_rules! claim_for_push {
+    ($filter:expr) => {
+        concat!(
+            "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+               WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
+                 AND (expires_at IS NULL OR expires_at > now())",
+            $filter,
+            " ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             UPDATE inflight_taskactivations t SET status = 'Claimed', \
+               claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
+                                           t.claim_expires_at + interval '1 microsecond') \
+             FROM picked WHERE t.id = picked.id RETURNING ",
+            columns!(t)
+        )
+    };
+}
+pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$5", "$6"));
 
 macro_rules! claim_for_pull {
-    ($filter:literal) => {
+    ($filter:expr) => {
         concat!(
             "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
                WHERE status = 'Pending' AND (expires_at IS NULL OR expires_at > now()) ",
@@ -80,12 +104,26 @@ macro_rules! claim_for_pull {
         )
     };
 }
-pub(super) const CLAIM_FOR_PULL_ANY: &str =
-    claim_for_pull!("AND $2::text IS NULL AND $3::text IS NULL");
-pub(super) const CLAIM_FOR_PULL_APPLICATION: &str =
-    claim_for_pull!("AND application = $2 AND $3::text IS NULL");
-pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str =
-    claim_for_pull!("AND application = $2 AND namespace = $3");
+macro_rules! pull_filter {
+    (any) => {
+        "AND $2::text IS NULL AND $3::text IS NULL"
+    };
+    (application) => {
+        "AND application = $2 AND $3::text IS NULL"
+    };
+    (namespace) => {
+        "AND application = $2 AND namespace = $3"
+    };
+}
+pub(super) const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!(pull_filter!(any));
+pub(super) const CLAIM_FOR_PULL_APPLICATION: &str = claim_for_pull!(pull_filter!(application));
+pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str = claim_for_pull!(pull_filter!(namespace));
+pub(super) const CLAIM_FOR_PULL_ANY_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(any), not_paused!("$4", "$5")));
+pub(super) const CLAIM_FOR_PULL_APPLICATION_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(application), not_paused!("$4", "$5")));
+pub(super) const CLAIM_FOR_PULL_NAMESPACE_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(namespace), not_paused!("$4", "$5")));
 
 // Batch writes by id lock their rows in id order first (`held`): two
 // batches touching the same rows (a push pool marking pushes while workers
@@ -214,6 +252,18 @@ pub(super) const REMOVE_EXPIRED: &str = "WITH picked AS MATERIALIZED (SELECT id 
        LIMIT $1 FOR UPDATE SKIP LOCKED) \
      DELETE FROM inflight_taskactivations t USING picked \
      WHERE t.id = picked.id AND t.status = 'Pending'";
+
+// Killswitches ($1, $2: one pair of LIKE patterns per killswitch). Rows a
+// worker is running (Processing) are left to finish; every other status
+// goes, a Claimed row's push finding it gone like any stale claim.
+pub(super) const REMOVE_KILLSWITCHED: &str = "WITH picked AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations t \
+       WHERE t.status <> 'Processing' AND EXISTS (SELECT 1 \
+         FROM unnest($1::text[], $2::text[]) AS k(namespace, taskname) \
+         WHERE t.namespace LIKE k.namespace AND t.taskname LIKE k.taskname) \
+       LIMIT $3 FOR UPDATE SKIP LOCKED) \
+     DELETE FROM inflight_taskactivations t USING picked \
+     WHERE t.id = picked.id AND t.status <> 'Processing'";
 
 pub(super) const RELEASE_DELAYED: &str = "WITH picked AS MATERIALIZED (SELECT id \
        FROM inflight_taskactivations WHERE status = 'Delay' AND delay_until <= now() \

@@ -61,8 +61,8 @@ use self::sql::*;
 use self::writer::{Command, WriteJob, open_writer, reclaim_free_pages, writer_gone, writer_loop};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, PublishKind,
-    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
+    PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -296,63 +296,78 @@ impl ActivationStore for SqliteStore {
         .await
     }
 
-    async fn claim_for_push(
+    async fn claim_for_push_except(
         &self,
         buckets: BucketRange,
         limit_rows: usize,
         lease: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
             return Ok(Vec::new());
         }
         let lease = duration_micros(lease);
+        let paused = (!paused.is_empty()).then(|| json_pause_rules(paused));
         self.write(OP, false, move |connection| {
             let now = now_micros();
-            let claimed = query_rows(
-                connection,
-                OP,
-                CLAIM_FOR_PUSH,
-                params![
-                    buckets.first,
-                    buckets.last,
-                    limit(limit_rows),
-                    now.saturating_add(lease),
-                    now
-                ],
-            )?;
+            let (first, last, limit_rows) = (buckets.first, buckets.last, limit(limit_rows));
+            let expiry = now.saturating_add(lease);
+            let claimed = match &paused {
+                None => query_rows(
+                    connection,
+                    OP,
+                    CLAIM_FOR_PUSH,
+                    params![first, last, limit_rows, expiry, now],
+                )?,
+                Some(paused) => query_rows(
+                    connection,
+                    OP,
+                    CLAIM_FOR_PUSH_UNPAUSED,
+                    params![first, last, limit_rows, expiry, now, paused],
+                )?,
+            };
             claimed_rows(claimed)
         })
         .await
     }
 
-    async fn claim_for_pull(
+    async fn claim_for_pull_except(
         &self,
         filter: &PullFilter,
         deadline_grace: Duration,
+        paused: &[PauseRule],
     ) -> StoreResult<Option<InflightActivation>> {
         const OP: &str = "claim_for_pull";
-        let sql = match (&filter.application, &filter.namespace) {
-            (None, None) => CLAIM_FOR_PULL_ANY,
-            (Some(_), None) => CLAIM_FOR_PULL_APPLICATION,
-            (Some(_), Some(_)) => CLAIM_FOR_PULL_NAMESPACE,
-            (None, Some(_)) => return Ok(None),
+        let sql = match (&filter.application, &filter.namespace, paused.is_empty()) {
+            (None, Some(_), _) => return Ok(None),
+            (None, None, true) => CLAIM_FOR_PULL_ANY,
+            (Some(_), None, true) => CLAIM_FOR_PULL_APPLICATION,
+            (Some(_), Some(_), true) => CLAIM_FOR_PULL_NAMESPACE,
+            (None, None, false) => CLAIM_FOR_PULL_ANY_UNPAUSED,
+            (Some(_), None, false) => CLAIM_FOR_PULL_APPLICATION_UNPAUSED,
+            (Some(_), Some(_), false) => CLAIM_FOR_PULL_NAMESPACE_UNPAUSED,
         };
         let filter = filter.clone();
         let grace = duration_micros(deadline_grace);
+        let paused = (!paused.is_empty()).then(|| json_pause_rules(paused));
         self.write(OP, true, move |connection| {
             let now = now_micros();
-            let rows = query_rows(
-                connection,
-                OP,
-                sql,
-                params![
-                    now,
-                    now.saturating_add(grace),
-                    filter.application,
-                    filter.namespace
-                ],
-            )?;
+            let deadline = now.saturating_add(grace);
+            let rows = match &paused {
+                None => query_rows(
+                    connection,
+                    OP,
+                    sql,
+                    params![now, deadline, filter.application, filter.namespace],
+                )?,
+                Some(paused) => query_rows(
+                    connection,
+                    OP,
+                    sql,
+                    params![now, deadline, filter.application, filter.namespace, paused],
+                )?,
+            };
             Ok(rows.into_iter().next())
         })
         .await
@@ -501,6 +516,27 @@ impl ActivationStore for SqliteStore {
                 OP,
                 FAIL_EXHAUSTED_ATTEMPTS,
                 params![i64::from(max_attempts), limit(limit_rows)],
+            )
+        })
+        .await
+    }
+
+    async fn remove_killswitched(
+        &self,
+        killswitches: &[Killswitch],
+        limit_rows: usize,
+    ) -> StoreResult<u64> {
+        const OP: &str = "remove_killswitched";
+        if killswitches.is_empty() {
+            return Ok(0);
+        }
+        let patterns = json_pairs(killswitches.iter().map(Killswitch::sqlite_patterns));
+        self.write(OP, true, move |connection| {
+            execute(
+                connection,
+                OP,
+                REMOVE_KILLSWITCHED,
+                params![patterns, limit(limit_rows)],
             )
         })
         .await
@@ -658,4 +694,24 @@ impl ActivationStore for SqliteStore {
         })
         .await
     }
+}
+
+/// Paused rules as the JSON parameter of the `_UNPAUSED` claims: one
+/// `[application, namespace]` pair per rule, "" for "any" (a rule never
+/// names an empty one).
+fn json_pause_rules(paused: &[PauseRule]) -> String {
+    json_pairs(paused.iter().map(|rule| {
+        (
+            rule.application.clone().unwrap_or_default(),
+            rule.namespace.clone().unwrap_or_default(),
+        )
+    }))
+}
+
+/// A JSON array of two-string arrays.
+fn json_pairs(pairs: impl Iterator<Item = (String, String)>) -> String {
+    let pairs: Vec<String> = pairs
+        .map(|(first, second)| json_strings([first.as_str(), second.as_str()]))
+        .collect();
+    format!("[{}]", pairs.join(","))
 }

@@ -25,20 +25,45 @@ pub(super) const INSERT: &str = concat!(
 // The single writer makes "skip rows others hold" unnecessary: no other
 // claim runs at the same time. `?4` is now + lease; the expiry is strictly
 // later than any this row had.
-pub(super) const CLAIM_FOR_PUSH: &str = concat!(
-    "UPDATE inflight_taskactivations \
-       SET status = 'Claimed', claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
-     WHERE id IN (SELECT id FROM inflight_taskactivations \
-       WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
-         AND (expires_at IS NULL OR expires_at > ?5) \
-       ORDER BY added_at LIMIT ?3) \
-     RETURNING ",
-    columns!()
-);
+// Paused applications and namespaces: a JSON array of `[application,
+// namespace]` pairs, "" for "any". The variants without it are the common
+// case and keep their plans exactly as before.
+macro_rules! not_paused {
+    ($param:literal) => {
+        concat!(
+            " AND NOT EXISTS (SELECT 1 FROM json_each(",
+            $param,
+            ") AS p \
+               WHERE (p.value ->> 0 = '' OR p.value ->> 0 = inflight_taskactivations.application) \
+                 AND (p.value ->> 1 = '' OR p.value ->> 1 = inflight_taskactivations.namespace))"
+        )
+    };
+}
 
-// `?1` now, `?2` now + grace (µs), `?3` application, `?4` namespace.
+// `?1`, `?2` buckets, `?3` limit, `?4` the new claim expiry, `?5` now,
+// `?6` paused rules (the _UNPAUSED variant).
+macro_rules! claim_for_push {
+    ($filter:expr) => {
+        concat!(
+            "UPDATE inflight_taskactivations \
+               SET status = 'Claimed', claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
+             WHERE id IN (SELECT id FROM inflight_taskactivations \
+               WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
+                 AND (expires_at IS NULL OR expires_at > ?5)",
+            $filter,
+            " ORDER BY added_at LIMIT ?3) \
+             RETURNING ",
+            columns!()
+        )
+    };
+}
+pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?6"));
+
+// `?1` now, `?2` now + grace (µs), `?3` application, `?4` namespace, `?5`
+// paused rules (the _UNPAUSED variants).
 macro_rules! claim_for_pull {
-    ($filter:literal) => {
+    ($filter:expr) => {
         concat!(
             "UPDATE inflight_taskactivations \
                SET status = 'Processing', \
@@ -51,11 +76,26 @@ macro_rules! claim_for_pull {
         )
     };
 }
-pub(super) const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!("AND ?3 IS NULL AND ?4 IS NULL");
-pub(super) const CLAIM_FOR_PULL_APPLICATION: &str =
-    claim_for_pull!("AND application = ?3 AND ?4 IS NULL");
-pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str =
-    claim_for_pull!("AND application = ?3 AND namespace = ?4");
+macro_rules! pull_filter {
+    (any) => {
+        "AND ?3 IS NULL AND ?4 IS NULL"
+    };
+    (application) => {
+        "AND application = ?3 AND ?4 IS NULL"
+    };
+    (namespace) => {
+        "AND application = ?3 AND namespace = ?4"
+    };
+}
+pub(super) const CLAIM_FOR_PULL_ANY: &str = claim_for_pull!(pull_filter!(any));
+pub(super) const CLAIM_FOR_PULL_APPLICATION: &str = claim_for_pull!(pull_filter!(application));
+pub(super) const CLAIM_FOR_PULL_NAMESPACE: &str = claim_for_pull!(pull_filter!(namespace));
+pub(super) const CLAIM_FOR_PULL_ANY_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(any), not_paused!("?5")));
+pub(super) const CLAIM_FOR_PULL_APPLICATION_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(application), not_paused!("?5")));
+pub(super) const CLAIM_FOR_PULL_NAMESPACE_UNPAUSED: &str =
+    claim_for_pull!(concat!(pull_filter!(namespace), not_paused!("?5")));
 
 // Fenced by id, status and the exact claim_expires_at the holder saw: one
 // statement for the whole batch, its tokens unpacked from one JSON array.
@@ -147,6 +187,14 @@ pub(super) const FAIL_EXHAUSTED_ATTEMPTS: &str = "UPDATE inflight_taskactivation
 pub(super) const REMOVE_EXPIRED: &str = "DELETE FROM inflight_taskactivations \
      WHERE id IN (SELECT id FROM inflight_taskactivations \
        WHERE status = 'Pending' AND expires_at IS NOT NULL AND expires_at < ?1 LIMIT ?2)";
+
+// Killswitches: `?1` a JSON array of `[namespace, taskname]` GLOB
+// patterns, `?2` limit. Processing rows are left to their worker.
+pub(super) const REMOVE_KILLSWITCHED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT id FROM inflight_taskactivations AS t \
+       WHERE t.status <> 'Processing' AND EXISTS (SELECT 1 FROM json_each(?1) AS k \
+         WHERE t.namespace GLOB k.value ->> 0 AND t.taskname GLOB k.value ->> 1) \
+       LIMIT ?2)";
 
 pub(super) const RELEASE_DELAYED: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
      WHERE id IN (SELECT id FROM inflight_taskactivations \

@@ -200,7 +200,12 @@ async fn run_status(args: &StatusArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
+        StoreHandle::start_in_arbiter(
+            &Arbiter::new().handle(),
+            store,
+            metrics,
+            taskbroker::runtime::RuntimeRules::none(),
+        )
     };
     // The server on an Arbiter of its own, as in the broker.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -392,7 +397,12 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
+        StoreHandle::start_in_arbiter(
+            &Arbiter::new().handle(),
+            store,
+            metrics,
+            taskbroker::runtime::RuntimeRules::none(),
+        )
     };
     let started = Instant::now();
     let cpu_before = cpu_seconds();
@@ -414,6 +424,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
             #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
             health: Default::default(),
+            rules: taskbroker::runtime::RuntimeRules::none(),
             stop_grace: Duration::from_secs(1),
         },
         store_actor,
@@ -500,7 +511,12 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store_actor = {
         let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
-        StoreHandle::start_in_arbiter(&Arbiter::new().handle(), store, metrics)
+        StoreHandle::start_in_arbiter(
+            &Arbiter::new().handle(),
+            store,
+            metrics,
+            taskbroker::runtime::RuntimeRules::none(),
+        )
     };
     let config = PushPipelineConfig {
         fetch_actors: args.fetch_actors,

@@ -1,0 +1,232 @@
+//! Operators' rules over tasks, set at runtime (the runtime file, see
+//! `crate::runtime`): which tasks a killswitch drops, and which
+//! applications and namespaces are paused. Plain values the store turns
+//! into SQL and the consumer applies to records; how the file is read and
+//! watched is not the domain's business.
+
+use std::sync::Arc;
+
+/// A name pattern: `*` matches any run of characters (none included), `?`
+/// exactly one; every other character matches itself, case-sensitively.
+/// Both stores match it the same way (PostgreSQL as `LIKE`, SQLite as
+/// `GLOB`), and so does [`Glob::matches`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Glob(String);
+
+impl Glob {
+    pub fn new(pattern: impl Into<String>) -> Glob {
+        Glob(pattern.into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn matches(&self, text: &str) -> bool {
+        let pattern: Vec<char> = self.0.chars().collect();
+        let text: Vec<char> = text.chars().collect();
+        // Iterative matching with one backtrack point (the last `*`): linear
+        // in practice, and never recursive on hostile input.
+        let (mut p, mut t) = (0, 0);
+        let mut star: Option<(usize, usize)> = None;
+        while t < text.len() {
+            match pattern.get(p) {
+                Some('*') => {
+                    star = Some((p, t));
+                    p += 1;
+                }
+                Some('?') => {
+                    p += 1;
+                    t += 1;
+                }
+                Some(c) if *c == text[t] => {
+                    p += 1;
+                    t += 1;
+                }
+                _ => match star {
+                    Some((star_p, star_t)) => {
+                        p = star_p + 1;
+                        t = star_t + 1;
+                        star = Some((star_p, star_t + 1));
+                    }
+                    None => return false,
+                },
+            }
+        }
+        pattern[p..].iter().all(|c| *c == '*')
+    }
+
+    /// The pattern for PostgreSQL's `LIKE` (backslash escapes).
+    pub fn to_like(&self) -> String {
+        let mut like = String::with_capacity(self.0.len());
+        for c in self.0.chars() {
+            match c {
+                '*' => like.push('%'),
+                '?' => like.push('_'),
+                '%' | '_' | '\\' => {
+                    like.push('\\');
+                    like.push(c);
+                }
+                _ => like.push(c),
+            }
+        }
+        like
+    }
+
+    /// The pattern for SQLite's `GLOB`, whose `[` opens a character class.
+    pub fn to_sqlite_glob(&self) -> String {
+        self.0.replace('[', "[[]")
+    }
+}
+
+/// Drop every task whose namespace and task name match (an absent pattern
+/// matches anything; a killswitch always has at least one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Killswitch {
+    pub namespace: Option<Glob>,
+    pub taskname: Option<Glob>,
+}
+
+impl Killswitch {
+    pub fn matches(&self, namespace: &str, taskname: &str) -> bool {
+        self.namespace
+            .as_ref()
+            .is_none_or(|glob| glob.matches(namespace))
+            && self
+                .taskname
+                .as_ref()
+                .is_none_or(|glob| glob.matches(taskname))
+    }
+
+    /// Both patterns for SQL `LIKE`, an absent one as `%`.
+    pub fn like_patterns(&self) -> (String, String) {
+        let like =
+            |glob: &Option<Glob>| glob.as_ref().map_or_else(|| "%".to_owned(), Glob::to_like);
+        (like(&self.namespace), like(&self.taskname))
+    }
+
+    /// Both patterns for SQLite `GLOB`, an absent one as `*`.
+    pub fn sqlite_patterns(&self) -> (String, String) {
+        let glob = |glob: &Option<Glob>| {
+            glob.as_ref()
+                .map_or_else(|| "*".to_owned(), Glob::to_sqlite_glob)
+        };
+        (glob(&self.namespace), glob(&self.taskname))
+    }
+}
+
+/// No claims (push or pull) for tasks of this application and namespace;
+/// an absent name matches every application or namespace, so a rule with
+/// neither pauses everything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PauseRule {
+    pub application: Option<String>,
+    pub namespace: Option<String>,
+}
+
+impl PauseRule {
+    pub fn matches(&self, application: &str, namespace: &str) -> bool {
+        self.application
+            .as_deref()
+            .is_none_or(|paused| paused == application)
+            && self
+                .namespace
+                .as_deref()
+                .is_none_or(|paused| paused == namespace)
+    }
+}
+
+/// The rules in force, shared by every part of the broker that applies
+/// them; the empty default changes nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskRules {
+    pub killswitches: Arc<[Killswitch]>,
+    pub paused: Arc<[PauseRule]>,
+}
+
+impl TaskRules {
+    /// Whether a killswitch drops this task.
+    pub fn killed(&self, namespace: &str, taskname: &str) -> bool {
+        self.killswitches
+            .iter()
+            .any(|killswitch| killswitch.matches(namespace, taskname))
+    }
+
+    /// Whether claims skip this task.
+    pub fn paused(&self, application: &str, namespace: &str) -> bool {
+        self.paused
+            .iter()
+            .any(|rule| rule.matches(application, namespace))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_stars_and_single_characters() {
+        let cases = [
+            ("*", "", true),
+            ("*", "anything", true),
+            ("a*", "a", true),
+            ("a*c", "abbbc", true),
+            ("a*c", "abbbd", false),
+            ("a?c", "abc", true),
+            ("a?c", "ac", false),
+            ("*.send_*", "mail.send_welcome", true),
+            ("*.send_*", "mail.receive", false),
+            ("exact", "exact", true),
+            ("exact", "Exact", false),
+            ("*a*a*a*b", "aaaaaaaaaaaaaaaaaaaaaaaaaaaa", false),
+            ("ünï*", "ünïcode", true),
+        ];
+        for (pattern, text, expected) in cases {
+            assert_eq!(
+                Glob::new(pattern).matches(text),
+                expected,
+                "{pattern:?} against {text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sql_patterns_escape_what_the_glob_takes_literally() {
+        assert_eq!(Glob::new("a%b_c\\*?").to_like(), "a\\%b\\_c\\\\%_");
+        assert_eq!(Glob::new("x[1]*").to_sqlite_glob(), "x[[]1]*");
+        let killswitch = Killswitch {
+            namespace: None,
+            taskname: Some(Glob::new("t*")),
+        };
+        assert_eq!(
+            killswitch.like_patterns(),
+            ("%".to_owned(), "t%".to_owned())
+        );
+        assert_eq!(
+            killswitch.sqlite_patterns(),
+            ("*".to_owned(), "t*".to_owned())
+        );
+    }
+
+    #[test]
+    fn pause_rules_leave_out_what_they_do_not_name() {
+        let app_only = PauseRule {
+            application: Some("billing".to_owned()),
+            namespace: None,
+        };
+        assert!(app_only.matches("billing", "any"));
+        assert!(!app_only.matches("other", "any"));
+        assert!(!app_only.matches("", "any"));
+        let both = PauseRule {
+            application: Some("billing".to_owned()),
+            namespace: Some("invoices".to_owned()),
+        };
+        assert!(both.matches("billing", "invoices"));
+        assert!(!both.matches("billing", "refunds"));
+        let all = PauseRule {
+            application: None,
+            namespace: None,
+        };
+        assert!(all.matches("", "x"));
+    }
+}

@@ -1,0 +1,328 @@
+//! The runtime file (TASKBROKER_RUNTIME_CONFIG) through the whole broker:
+//! a killswitch written while tasks flow removes exactly the matching ones
+//! (stored rows by upkeep, new records at ingest); a paused namespace holds
+//! its tasks and delivers them once resumed; a bad version is refused and
+//! the previous rules stay. Real PostgreSQL or SQLite, the mock Kafka
+//! cluster, workers on loopback.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::kafka::MockKafka;
+use common::process::encoded_tasks;
+use common::worker::{FakeWorker, Mode};
+use common::{Backend, TestStore, wait_until};
+use taskbroker::broker::Broker;
+use taskbroker::config::Config;
+use taskbroker::metrics::Metrics;
+use taskbroker::proto::GetTaskRequest;
+use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
+use taskbroker::runtime::RuntimeFile;
+
+/// A runtime file in a directory of its own, removed with it.
+struct RuntimeDir {
+    dir: PathBuf,
+}
+
+impl RuntimeDir {
+    fn new() -> RuntimeDir {
+        let dir = std::env::temp_dir().join(format!("taskbroker-runtime-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        RuntimeDir { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("runtime.yaml")
+    }
+
+    /// Replaces the file as a ConfigMap update does: a new file renamed
+    /// over the old, so a reader never sees half of it.
+    fn write(&self, text: &str) {
+        let next = self.dir.join("next.yaml");
+        std::fs::write(&next, text).unwrap();
+        std::fs::rename(&next, self.path()).unwrap();
+    }
+}
+
+impl Drop for RuntimeDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn config(db: &TestStore, kafka: &MockKafka, runtime: &Path, extra: &[(&str, String)]) -> Config {
+    let mut env: HashMap<String, String> = [
+        db.env(),
+        ("KAFKA_BROKERS", kafka.bootstrap()),
+        ("KAFKA_TOPIC", "tasks".to_owned()),
+        ("GRPC_ADDR", "127.0.0.1:0".to_owned()),
+        ("METRICS_ADDR", "127.0.0.1:0".to_owned()),
+        ("UPKEEP_INTERVAL_MS", "100".to_owned()),
+        ("RESTART_GRACE_SEC", "0".to_owned()),
+        ("RUNTIME_CONFIG", runtime.display().to_string()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (format!("TASKBROKER_{name}"), value))
+    .collect();
+    for (name, value) in extra {
+        env.insert(format!("TASKBROKER_{name}"), value.clone());
+    }
+    Config::from_lookup(|name| env.get(name).cloned()).expect("test configuration")
+}
+
+fn ids(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("{prefix}-{i}")).collect()
+}
+
+on_both_backends!(
+    a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones,
+    a_paused_namespace_holds_its_tasks_until_resumed,
+);
+
+/// Pull mode, so nothing is delivered until the test pulls: `kill` and
+/// `keep` tasks are stored; a killswitch for `kill` is written; upkeep
+/// removes the stored `kill` rows and the consumer drops new `kill`
+/// records, while every `keep` task is stored and delivered.
+async fn a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones(backend: Backend) {
+    let db = TestStore::new(backend).await;
+    let store = db.store().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 2);
+    let runtime = RuntimeDir::new();
+    runtime.write("# no rules yet\n");
+    let metrics = Arc::new(Metrics::new());
+    let broker = Broker::start(
+        &config(
+            &db,
+            &kafka,
+            &runtime.path(),
+            &[("DELIVERY_MODE", "pull".to_owned())],
+        ),
+        store.clone(),
+        Arc::clone(&metrics),
+        "test-host",
+    )
+    .expect("broker starts");
+
+    let (kill_before, keep_before) = (ids("kill", 0..100), ids("keep", 0..100));
+    kafka
+        .produce("tasks", &encoded_tasks(&kill_before, "kill", 60))
+        .await;
+    kafka
+        .produce("tasks", &encoded_tasks(&keep_before, "keep", 60))
+        .await;
+    wait_until("all 200 are stored", Duration::from_secs(30), || async {
+        store.count_by_status().await.unwrap().total() == 200
+    })
+    .await;
+
+    runtime.write("killswitches:\n  - namespace: kill\n");
+    wait_until(
+        "upkeep removes the stored kill rows",
+        Duration::from_secs(30),
+        || async { store.count_by_status().await.unwrap().total() == 100 },
+    )
+    .await;
+    for id in &kill_before {
+        assert!(store.get(id).await.unwrap().is_none(), "{id} removed");
+    }
+    for id in &keep_before {
+        assert!(store.get(id).await.unwrap().is_some(), "{id} kept");
+    }
+    let removed = metrics
+        .upkeep_transitions
+        .with_label_values(&["remove_killswitched"])
+        .get();
+    assert_eq!(removed, 100);
+
+    let (kill_after, keep_after) = (ids("kill", 100..150), ids("keep", 100..150));
+    kafka
+        .produce("tasks", &encoded_tasks(&kill_after, "kill", 60))
+        .await;
+    kafka
+        .produce("tasks", &encoded_tasks(&keep_after, "keep", 60))
+        .await;
+    let records = |result: &str| {
+        metrics
+            .consumer_records
+            .with_label_values(&["tasks", result])
+            .get()
+    };
+    wait_until(
+        "new kill records are dropped at ingest and keep ones stored",
+        Duration::from_secs(30),
+        || async { records("killswitched") == 50 && records("stored") == 250 },
+    )
+    .await;
+
+    // Every keep task, and nothing else, reaches a worker.
+    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+        .await
+        .unwrap();
+    let mut pulled = BTreeSet::new();
+    // GetTask answers NOT_FOUND once nothing is left to hand out.
+    while let Some(task) = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .ok()
+        .and_then(|response| response.into_inner().task)
+    {
+        assert!(pulled.insert(task.id), "pulled twice");
+    }
+    let keep: BTreeSet<String> = keep_before.into_iter().chain(keep_after).collect();
+    assert_eq!(pulled, keep);
+    assert_eq!(
+        metrics
+            .upkeep_transitions
+            .with_label_values(&["remove_killswitched"])
+            .get(),
+        100,
+        "nothing else was removed"
+    );
+    assert_eq!(
+        metrics
+            .runtime_rules
+            .with_label_values(&["killswitches"])
+            .get(),
+        1
+    );
+    broker.stop().await;
+}
+
+/// Push mode: while `held` is paused its tasks stay Pending and the other
+/// namespace's are pushed; once the pause is removed they are pushed too.
+async fn a_paused_namespace_holds_its_tasks_until_resumed(backend: Backend) {
+    let db = TestStore::new(backend).await;
+    let store = db.store().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 2);
+    let runtime = RuntimeDir::new();
+    runtime.write("paused:\n  - application: app\n    namespace: held\n");
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let metrics = Arc::new(Metrics::new());
+    let broker = Broker::start(
+        &config(
+            &db,
+            &kafka,
+            &runtime.path(),
+            &[("WORKER_ENDPOINTS", format!("*={}", worker.url()))],
+        ),
+        store.clone(),
+        Arc::clone(&metrics),
+        "test-host",
+    )
+    .expect("broker starts");
+    let (held, free) = (ids("held", 0..50), ids("free", 0..50));
+    kafka
+        .produce("tasks", &encoded_tasks(&held, "held", 60))
+        .await;
+    kafka
+        .produce("tasks", &encoded_tasks(&free, "free", 60))
+        .await;
+    let pushed = || worker.seen.accepted().into_iter().collect::<BTreeSet<_>>();
+    wait_until(
+        "every free task is pushed",
+        Duration::from_secs(30),
+        || async { pushed().len() >= free.len() },
+    )
+    .await;
+    // Every row is stored; the held ones are still Pending after fetchers
+    // have been through the table many times over (each push woke them).
+    wait_until("all 100 are stored", Duration::from_secs(30), || async {
+        metrics.consumed("stored") == 100
+    })
+    .await;
+    let claims_before = metrics.store_calls("claim_for_push");
+    wait_until(
+        "fetchers claim again after every row is stored",
+        Duration::from_secs(30),
+        || async { metrics.store_calls("claim_for_push") > claims_before + 10 },
+    )
+    .await;
+    assert_eq!(pushed(), free.iter().cloned().collect::<BTreeSet<_>>());
+    for id in &held {
+        let row = store.get(id).await.unwrap().expect("held row stored");
+        assert_eq!(row.status, taskbroker::model::ActivationStatus::Pending);
+    }
+
+    runtime.write("paused: []\n");
+    wait_until(
+        "held tasks are pushed once resumed",
+        Duration::from_secs(30),
+        || async { pushed().len() == held.len() + free.len() },
+    )
+    .await;
+    let expected: BTreeSet<String> = held.iter().chain(&free).cloned().collect();
+    assert_eq!(pushed(), expected);
+    assert_eq!(worker.seen.accepted().len(), expected.len(), "none twice");
+    assert_eq!(
+        metrics.runtime_rules.with_label_values(&["paused"]).get(),
+        0
+    );
+    broker.stop().await;
+}
+
+/// A bad version is refused, counted once and leaves the rules as they
+/// were; a good one replaces them; a file that disappears is refused once.
+#[test]
+fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
+    let runtime = RuntimeDir::new();
+    runtime.write("killswitches:\n  - taskname: poison\n");
+    let metrics = Arc::new(Metrics::new());
+    let (mut file, rules) = RuntimeFile::open(&runtime.path(), Arc::clone(&metrics)).unwrap();
+    assert!(rules.killed("any", "poison"));
+    assert!(metrics.runtime_config_loaded.get() > 0);
+
+    runtime.write("killswitches:\n  - {}\n");
+    file.check();
+    file.check();
+    assert_eq!(metrics.runtime_config_errors.get(), 1, "refused once");
+    assert!(rules.killed("any", "poison"), "the previous rules stay");
+
+    runtime.write("killswitches:\n  - taskname: other\n");
+    file.check();
+    assert!(!rules.killed("any", "poison"));
+    assert!(rules.killed("any", "other"));
+    assert_eq!(metrics.runtime_config_errors.get(), 1);
+
+    std::fs::remove_file(runtime.path()).unwrap();
+    file.check();
+    file.check();
+    assert_eq!(
+        metrics.runtime_config_errors.get(),
+        2,
+        "a missing file refused once"
+    );
+    assert!(rules.killed("any", "other"), "the previous rules stay");
+    assert_eq!(
+        metrics
+            .runtime_rules
+            .with_label_values(&["killswitches"])
+            .get(),
+        1
+    );
+}
+
+/// At startup there is nothing to keep: a bad file stops the broker with a
+/// message naming the variable, the file and the problem.
+#[test]
+fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
+    let runtime = RuntimeDir::new();
+    runtime.write("paused:\n  - aplication: billing\n");
+    let err = RuntimeFile::open(&runtime.path(), Arc::new(Metrics::new()))
+        .err()
+        .expect("refused");
+    assert!(err.starts_with("TASKBROKER_RUNTIME_CONFIG: "), "{err}");
+    assert!(err.contains("runtime.yaml"), "{err}");
+    assert!(err.contains("unknown field `aplication`"), "{err}");
+
+    let missing = runtime.dir.join("absent.yaml");
+    let err = RuntimeFile::open(&missing, Arc::new(Metrics::new()))
+        .err()
+        .expect("refused");
+    assert!(err.contains("cannot read"), "{err}");
+}

@@ -13,8 +13,9 @@
 //! migrations, and `taskbroker config` prints the effective configuration (secrets redacted)
 //! or, with `--markdown`, the configuration reference in docs/. `taskbroker demo` runs
 //! everything on one machine with nothing installed (src/cli/demo/), `taskbroker
-//! demo-worker` serves a demo worker, and `taskbroker healthcheck` probes `/health` for
-//! container health checks.
+//! demo-worker` serves a demo worker, `taskbroker healthcheck` probes `/health` for
+//! container health checks, and `taskbroker inspect` shows what the store holds
+//! (src/cli/inspect.rs).
 
 mod cli;
 
@@ -74,6 +75,11 @@ enum Command {
     /// Exit 0 if this machine's broker answers /health on
     /// TASKBROKER_METRICS_ADDR, else 1 (for container health checks).
     Healthcheck,
+    /// Show what the store holds (counts by status, namespace and task
+    /// name, the oldest Pending task per namespace, claims and deadlines
+    /// about to run out), or one task by id; read-only, safe while brokers
+    /// run. Needs only the store settings.
+    Inspect(cli::inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -88,6 +94,7 @@ fn main() -> ExitCode {
             return cli::demo::demo_worker(listen, delay_ms);
         }
         Some(Command::Healthcheck) => return healthcheck(),
+        Some(Command::Inspect(args)) => return cli::inspect::inspect(args),
         _ => {}
     }
     let config = match Config::from_env() {
@@ -122,7 +129,10 @@ fn main() -> ExitCode {
         }
         Command::Migrate => actix_rt::System::new().block_on(migrate(&config)),
         Command::Run => actix_rt::System::new().block_on(run(config)),
-        Command::Demo(_) | Command::DemoWorker { .. } | Command::Healthcheck => {
+        Command::Demo(_)
+        | Command::DemoWorker { .. }
+        | Command::Healthcheck
+        | Command::Inspect(_) => {
             unreachable!("handled before the configuration is read")
         }
     };

@@ -1,6 +1,8 @@
 //! The `taskbroker` binary's own modules: what its commands need that the
-//! broker library does not. Only `demo` so far (`taskbroker demo` and
-//! `taskbroker demo-worker`); the broker commands themselves (`run`,
-//! `migrate`, `config`, `healthcheck`) are small enough to stay in main.rs.
+//! broker library does not: `demo` (`taskbroker demo` and `taskbroker
+//! demo-worker`) and `inspect` (`taskbroker inspect`); the broker commands
+//! themselves (`run`, `migrate`, `config`, `healthcheck`) are small enough
+//! to stay in main.rs.
 
 pub mod demo;
+pub mod inspect;

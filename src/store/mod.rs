@@ -15,9 +15,11 @@
 
 mod postgres;
 mod sqlite;
+mod view;
 
 pub use postgres::{PostgresStore, PostgresStoreConfig};
-pub use sqlite::{SqliteStore, SqliteStoreConfig};
+pub use sqlite::{SqliteStore, SqliteStoreConfig, SqliteView};
+pub use view::{GroupCount, Inspection, NearExpiry, StoreView};
 
 // The values the store's operations take and answer belong to the domain
 // and are imported from `crate::model` by everyone, the store included.

@@ -23,10 +23,12 @@ use tokio_postgres::Row;
 use self::pool::{build_pool, connect_config, describe, pool_error, query_error};
 use self::rows::{activation_from_row, activations_from_rows, limit, micros, split_tokens};
 use self::sql::*;
+use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
-    PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -677,4 +679,62 @@ fn pause_columns(paused: &[PauseRule]) -> (Vec<Option<&str>>, Vec<Option<&str>>)
         .iter()
         .map(|rule| (rule.application.as_deref(), rule.namespace.as_deref()))
         .unzip()
+}
+
+#[async_trait]
+impl StoreView for PostgresStore {
+    async fn inspect(&self, near: Duration, limit_rows: usize) -> StoreResult<Inspection> {
+        const OP: &str = "inspect";
+        let status = |id: &str, value: String| {
+            value
+                .parse::<ActivationStatus>()
+                .map_err(|value| StoreError::InvalidRow {
+                    id: id.to_owned(),
+                    column: "status",
+                    value,
+                })
+        };
+        let groups = self
+            .query(&self.pool, OP, INSPECT_GROUPS, &[])
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(GroupCount {
+                    status: status("(count)", row.get(0))?,
+                    namespace: row.get(1),
+                    taskname: row.get(2),
+                    count: u64::try_from(row.get::<_, i64>(3)).unwrap_or(0),
+                    oldest_received: row.get(4),
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        let near_expiry = self
+            .query(
+                &self.pool,
+                OP,
+                INSPECT_NEAR_EXPIRY,
+                &[&micros(near), &limit(limit_rows)],
+            )
+            .await?
+            .iter()
+            .map(|row| {
+                let id: String = row.get(0);
+                Ok(NearExpiry {
+                    status: status(&id, row.get(3))?,
+                    namespace: row.get(1),
+                    taskname: row.get(2),
+                    due: row.get(4),
+                    id,
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        Ok(Inspection {
+            groups,
+            near_expiry,
+        })
+    }
+
+    async fn row(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
+        self.get(id).await
+    }
 }

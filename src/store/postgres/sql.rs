@@ -331,3 +331,20 @@ pub(super) const GET: &str = concat!(
     columns!(),
     " FROM inflight_taskactivations WHERE id = $1"
 );
+
+// `taskbroker inspect` (read-only): counts per status, namespace and task
+// name with the oldest Pending row's received_at, and the claims and
+// deadlines due within `$1` microseconds, soonest first, at most `$2`.
+pub(super) const INSPECT_GROUPS: &str = "SELECT status, namespace, taskname, count(*)::int8, \
+       min(received_at) FILTER (WHERE status = 'Pending') \
+     FROM inflight_taskactivations GROUP BY status, namespace, taskname";
+
+pub(super) const INSPECT_NEAR_EXPIRY: &str = "SELECT id, namespace, taskname, status, due FROM ( \
+       SELECT id, namespace, taskname, status, \
+         CASE WHEN status = 'Claimed' THEN claim_expires_at ELSE processing_deadline END AS due \
+       FROM inflight_taskactivations \
+       WHERE (status = 'Claimed' \
+              AND claim_expires_at < now() + $1::int8 * interval '1 microsecond') \
+          OR (status = 'Processing' \
+              AND processing_deadline < now() + $1::int8 * interval '1 microsecond')) AS d \
+     ORDER BY due LIMIT $2";

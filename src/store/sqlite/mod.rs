@@ -59,10 +59,12 @@ use self::reader::ReaderPool;
 use self::rows::{duration_micros, json_strings, limit, micros_of, now_micros};
 use self::sql::*;
 use self::writer::{Command, WriteJob, open_writer, reclaim_free_pages, writer_gone, writer_loop};
+use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
-    PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -206,18 +208,130 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        let readers = Arc::clone(&self.readers);
-        tokio::task::spawn_blocking(move || {
-            let connection = readers.take(operation)?;
-            let result = read(&connection);
-            readers.put(connection);
-            result
+        read_on(&self.readers, operation, read).await
+    }
+}
+
+/// Runs `read` on a read-only connection of `readers`, on tokio's blocking pool.
+async fn read_on<T, F>(
+    readers: &Arc<ReaderPool>,
+    operation: &'static str,
+    read: F,
+) -> StoreResult<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+{
+    let readers = Arc::clone(readers);
+    tokio::task::spawn_blocking(move || {
+        let connection = readers.take(operation)?;
+        let result = read(&connection);
+        readers.put(connection);
+        result
+    })
+    .await
+    .map_err(|err| StoreError::Unavailable {
+        operation,
+        message: format!("read task failed: {err}"),
+    })?
+}
+
+/// A read-only view of an SQLite store file (`taskbroker inspect`): opens
+/// the file read-only, with neither the writer nor the one-process lock, so
+/// it is safe beside the broker that owns the file (WAL lets readers run
+/// while it writes).
+pub struct SqliteView {
+    readers: Arc<ReaderPool>,
+}
+
+impl SqliteView {
+    /// Fails with a clear message when there is no database at `path`.
+    pub fn open(path: &Path) -> StoreResult<SqliteView> {
+        if !path.is_file() {
+            return Err(StoreError::Config(format!(
+                "no SQLite database at {} (TASKBROKER_SQLITE_PATH)",
+                path.display()
+            )));
+        }
+        Ok(SqliteView {
+            readers: Arc::new(ReaderPool {
+                path: path.to_owned(),
+                busy_timeout: Duration::from_secs(5),
+                max_idle: 1,
+                idle: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+}
+
+#[async_trait]
+impl StoreView for SqliteView {
+    async fn inspect(&self, near: Duration, limit_rows: usize) -> StoreResult<Inspection> {
+        const OP: &str = "inspect";
+        let due_before = now_micros().saturating_add(duration_micros(near));
+        read_on(&self.readers, OP, move |connection| {
+            let failed = |e| sql_error(OP, e);
+            let status = |id: &str, value: String| {
+                value
+                    .parse::<ActivationStatus>()
+                    .map_err(|value| StoreError::InvalidRow {
+                        id: id.to_owned(),
+                        column: "status",
+                        value,
+                    })
+            };
+            let time = |id: &str, micros: i64| {
+                DateTime::from_timestamp_micros(micros).ok_or_else(|| StoreError::InvalidRow {
+                    id: id.to_owned(),
+                    column: "time",
+                    value: micros.to_string(),
+                })
+            };
+            let mut groups = Vec::new();
+            let mut statement = connection.prepare(INSPECT_GROUPS).map_err(failed)?;
+            let mut rows = statement.query([]).map_err(failed)?;
+            while let Some(row) = rows.next().map_err(failed)? {
+                let oldest: Option<i64> = row.get(4).map_err(failed)?;
+                groups.push(GroupCount {
+                    status: status("(count)", row.get(0).map_err(failed)?)?,
+                    namespace: row.get(1).map_err(failed)?,
+                    taskname: row.get(2).map_err(failed)?,
+                    count: u64::try_from(row.get::<_, i64>(3).map_err(failed)?).unwrap_or(0),
+                    oldest_received: oldest.map(|micros| time("(count)", micros)).transpose()?,
+                });
+            }
+            let mut near_expiry = Vec::new();
+            let mut statement = connection.prepare(INSPECT_NEAR_EXPIRY).map_err(failed)?;
+            let mut rows = statement
+                .query(params![due_before, limit(limit_rows)])
+                .map_err(failed)?;
+            while let Some(row) = rows.next().map_err(failed)? {
+                let id: String = row.get(0).map_err(failed)?;
+                near_expiry.push(NearExpiry {
+                    namespace: row.get(1).map_err(failed)?,
+                    taskname: row.get(2).map_err(failed)?,
+                    status: status(&id, row.get(3).map_err(failed)?)?,
+                    due: time(&id, row.get(4).map_err(failed)?)?,
+                    id,
+                });
+            }
+            Ok(Inspection {
+                groups,
+                near_expiry,
+            })
         })
         .await
-        .map_err(|err| StoreError::Unavailable {
-            operation,
-            message: format!("read task failed: {err}"),
-        })?
+    }
+
+    async fn row(&self, id: &str) -> StoreResult<Option<InflightActivation>> {
+        const OP: &str = "get";
+        let id = id.to_owned();
+        read_on(&self.readers, OP, move |connection| {
+            Ok(query_rows(connection, OP, GET, params![id])?
+                .into_iter()
+                .next())
+        })
+        .await
     }
 }
 

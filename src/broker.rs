@@ -220,6 +220,7 @@ impl ConsumerConfig {
             max_activation_bytes: config.max_activation_bytes,
             health,
             rules,
+            forward_kafka: KafkaSettings::from_config(config),
             #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
         }
@@ -312,7 +313,11 @@ impl Broker {
         // startup; while running, it is re-read on the upkeep's Arbiter.
         let (runtime_file, rules) = match &config.runtime_config {
             Some(path) => {
-                let (file, rules) = RuntimeFile::open(path, Arc::clone(&metrics))?;
+                let (file, rules) = RuntimeFile::open(
+                    path,
+                    &format!("{}-long", config.kafka_topic),
+                    Arc::clone(&metrics),
+                )?;
                 (Some(file), rules)
             }
             None => (None, RuntimeRules::none()),

@@ -137,7 +137,8 @@ pub struct Metrics {
     /// Versions of the runtime file that were refused (unreadable or
     /// invalid); the previous one stayed in force.
     pub runtime_config_errors: IntCounter,
-    /// Rules in force from the runtime file, by kind (killswitches, paused).
+    /// Rules in force from the runtime file, by kind (killswitches, paused,
+    /// demoted_namespaces).
     pub runtime_rules: IntGaugeVec,
 }
 
@@ -173,10 +174,17 @@ pub mod labels {
     ];
     /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
     /// `killswitched`: dropped by a killswitch of the runtime file.
-    pub const CONSUMER_RESULTS: &[&str] =
-        &["stored", "duplicate", "invalid", "expired", "killswitched"];
+    /// `demoted`: forwarded to the demoted topic.
+    pub const CONSUMER_RESULTS: &[&str] = &[
+        "stored",
+        "duplicate",
+        "invalid",
+        "expired",
+        "killswitched",
+        "demoted",
+    ];
     /// `taskbroker_runtime_rules{kind}`.
-    pub const RUNTIME_RULE_KINDS: &[&str] = &["killswitches", "paused"];
+    pub const RUNTIME_RULE_KINDS: &[&str] = &["killswitches", "paused", "demoted_namespaces"];
     /// `taskbroker_consumer_invalid_records_total{reason}`:
     /// `ActivationError::reason`.
     pub const INVALID_REASONS: &[&str] = &[
@@ -211,6 +219,7 @@ pub mod labels {
         "remove_completed",
         "publish_retries",
         "publish_dead_letters",
+        "forward_demoted",
     ];
     /// `taskbroker_upkeep_transitions_total{step}`: the processing-deadline
     /// step counts its two outcomes separately.
@@ -226,6 +235,7 @@ pub mod labels {
         "remove_completed",
         "publish_retries",
         "publish_dead_letters",
+        "forward_demoted",
     ];
     /// `taskbroker_upkeep_errors_total{step}`: the steps, and the gauge
     /// refresh queries.
@@ -240,6 +250,7 @@ pub mod labels {
         "remove_completed",
         "publish_retries",
         "publish_dead_letters",
+        "forward_demoted",
         "count_by_status",
         "max_pending_lag",
     ];
@@ -274,6 +285,8 @@ pub mod labels {
         "remove_expired",
         "release_delayed",
         "take_for_publish",
+        "take_demoted",
+        "remove_forwarded",
         "discard_failures",
         "mark_published",
         "remove_completed",

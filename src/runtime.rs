@@ -9,6 +9,8 @@
 //! paused:                  # no claims (push or pull) until removed
 //!   - application: billing
 //!     namespace: invoices
+//! demoted_namespaces: [reports]   # forwarded to the demoted topic
+//! demoted_topic: tasks-long       # default: `<KAFKA_TOPIC>-long`
 //! ```
 //!
 //! Every key is optional; an empty file is no rules. A file is validated
@@ -70,12 +72,22 @@ impl RuntimeRules {
     pub fn killed(&self, namespace: &str, taskname: &str) -> bool {
         self.rules.borrow().killed(namespace, taskname)
     }
+
+    /// Where a task of `namespace` read from `topic` is forwarded, if its
+    /// namespace is demoted (no copy of the rules).
+    pub fn demoted_to(&self, namespace: &str, topic: &str) -> Option<String> {
+        let rules = self.rules.borrow();
+        rules
+            .demoted(namespace, topic)
+            .then(|| rules.demoted_topic.clone())
+    }
 }
 
 /// Reads the file at `path` and keeps [`RuntimeRules`] up to date with it
 /// while [`RuntimeFile::watch`] runs.
 pub struct RuntimeFile {
     path: PathBuf,
+    default_demoted_topic: String,
     rules: watch::Sender<TaskRules>,
     /// The bytes last read, good or bad (`None`: the last read failed), so
     /// each change is handled once.
@@ -85,13 +97,19 @@ pub struct RuntimeFile {
 
 impl RuntimeFile {
     /// Loads the file, refusing to start on one that cannot be read or is
-    /// invalid.
-    pub fn open(path: &Path, metrics: Arc<Metrics>) -> Result<(RuntimeFile, RuntimeRules), String> {
+    /// invalid. `default_demoted_topic` is where demoted namespaces go when
+    /// the file names no `demoted_topic`.
+    pub fn open(
+        path: &Path,
+        default_demoted_topic: &str,
+        metrics: Arc<Metrics>,
+    ) -> Result<(RuntimeFile, RuntimeRules), String> {
         let bytes = read(path)?;
-        let rules = parse(&bytes).map_err(|err| describe(path, &err))?;
+        let rules = parse(&bytes, default_demoted_topic).map_err(|err| describe(path, &err))?;
         let (sender, receiver) = watch::channel(rules.clone());
         let file = RuntimeFile {
             path: path.to_owned(),
+            default_demoted_topic: default_demoted_topic.to_owned(),
             rules: sender,
             seen: Some(bytes),
             metrics,
@@ -131,12 +149,13 @@ impl RuntimeFile {
         if self.seen.as_ref() == Some(&bytes) {
             return;
         }
-        let parsed = parse(&bytes);
+        let parsed = parse(&bytes, &self.default_demoted_topic);
         self.seen = Some(bytes);
         match parsed {
             Ok(rules) => {
                 tracing::info!(path = %self.path.display(),
                     killswitches = rules.killswitches.len(), paused = rules.paused.len(),
+                    demoted_namespaces = rules.demoted_namespaces.len(),
                     "runtime file changed; new rules in force");
                 self.loaded(&rules);
                 self.rules.send_replace(rules);
@@ -158,6 +177,10 @@ impl RuntimeFile {
             .runtime_rules
             .with_label_values(&["paused"])
             .set(count(rules.paused.len()));
+        self.metrics
+            .runtime_rules
+            .with_label_values(&["demoted_namespaces"])
+            .set(count(rules.demoted_namespaces.len()));
     }
 
     fn refuse(&self, reason: String) {
@@ -190,12 +213,12 @@ struct FileRules {
     killswitches: Vec<KillswitchEntry>,
     #[serde(default)]
     paused: Vec<PauseEntry>,
+    #[serde(default)]
+    demoted_namespaces: Vec<String>,
+    #[serde(default)]
+    demoted_topic: Option<String>,
     // Parsed so that a file written for a broker that applies them gets a
     // clear refusal instead of "unknown field".
-    #[serde(default)]
-    demoted_namespaces: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    demoted_topic: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     concurrency_limits: Option<BTreeMap<String, serde::de::IgnoredAny>>,
     #[serde(default)]
@@ -217,14 +240,12 @@ struct PauseEntry {
 }
 
 /// Parses and validates one version of the file.
-pub fn parse(bytes: &[u8]) -> Result<TaskRules, String> {
+pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, String> {
     let text = std::str::from_utf8(bytes).map_err(|_| "the file is not UTF-8".to_owned())?;
     // An empty document (or only comments) is no rules.
     let file: Option<FileRules> = serde_norway::from_str(text).map_err(|err| err.to_string())?;
     let file = file.unwrap_or_default();
     for (key, present) in [
-        ("demoted_namespaces", file.demoted_namespaces.is_some()),
-        ("demoted_topic", file.demoted_topic.is_some()),
         ("concurrency_limits", file.concurrency_limits.is_some()),
         ("weights", file.weights.is_some()),
     ] {
@@ -263,9 +284,45 @@ pub fn parse(bytes: &[u8]) -> Result<TaskRules, String> {
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let demoted_namespaces = file
+        .demoted_namespaces
+        .into_iter()
+        .enumerate()
+        .map(|(index, namespace)| {
+            name(
+                &format!("demoted_namespaces[{index}]"),
+                "namespace",
+                Some(namespace),
+            )
+            .map(Option::unwrap_or_default)
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let demoted_topic = match file.demoted_topic {
+        Some(topic) if !crate::config::valid_topic_name(&topic) => {
+            return Err(format!(
+                "demoted_topic {topic:?} is not a valid Kafka topic name \
+                 (1 to 249 of a-z, A-Z, 0-9, '.', '_', '-')"
+            ));
+        }
+        Some(topic) => topic,
+        None => default_demoted_topic.to_owned(),
+    };
+    // Claims leave out the paused tasks and every demoted namespace: those
+    // rows wait for upkeep to forward them.
+    let unclaimable: Vec<PauseRule> = paused
+        .iter()
+        .cloned()
+        .chain(demoted_namespaces.iter().map(|namespace| PauseRule {
+            application: None,
+            namespace: Some(namespace.clone()),
+        }))
+        .collect();
     Ok(TaskRules {
         killswitches: killswitches.into(),
         paused: paused.into(),
+        demoted_namespaces: demoted_namespaces.into(),
+        demoted_topic,
+        unclaimable: unclaimable.into(),
     })
 }
 
@@ -288,9 +345,13 @@ mod tests {
 
     #[test]
     fn an_empty_file_or_comments_only_is_no_rules() {
-        assert_eq!(parse(b"").unwrap(), TaskRules::default());
-        assert_eq!(parse(b"# nothing yet\n").unwrap(), TaskRules::default());
-        assert_eq!(parse(b"{}").unwrap(), TaskRules::default());
+        let none = TaskRules {
+            demoted_topic: "tasks-long".to_owned(),
+            ..TaskRules::default()
+        };
+        assert_eq!(parse(b"", "tasks-long").unwrap(), none);
+        assert_eq!(parse(b"# nothing yet\n", "tasks-long").unwrap(), none);
+        assert_eq!(parse(b"{}", "tasks-long").unwrap(), none);
     }
 
     #[test]
@@ -305,9 +366,19 @@ paused:
   - application: billing
     namespace: invoices
   - namespace: reports
+demoted_namespaces: [slow]
 "#,
+            "tasks-long",
         )
         .unwrap();
+        assert!(rules.demoted("slow", "tasks"));
+        assert!(
+            !rules.demoted("slow", "tasks-long"),
+            "never from the demoted topic"
+        );
+        assert!(!rules.demoted("fast", "tasks"));
+        assert_eq!(rules.demoted_topic, "tasks-long");
+        assert_eq!(rules.unclaimable.len(), 3);
         assert!(rules.killed("billing-eu", "billing.send_mail"));
         assert!(!rules.killed("billing-eu", "billing.receive"));
         assert!(rules.killed("anything", "poison.task"));
@@ -318,7 +389,7 @@ paused:
 
     #[test]
     fn bad_versions_are_refused_with_the_reason() {
-        let refused = |text: &str| parse(text.as_bytes()).unwrap_err();
+        let refused = |text: &str| parse(text.as_bytes(), "tasks-long").unwrap_err();
         assert!(refused("killswitches: [{}]").contains("killswitches[0] names neither"));
         assert!(
             refused("killswitches:\n  - namespace: ''\n")
@@ -328,7 +399,21 @@ paused:
         assert!(refused("paused: [{app: x}]").contains("unknown field `app`"));
         assert!(refused("paused: yes").contains("paused"));
         assert!(refused("weights: {a: 2}").contains("`weights` is not supported"));
-        assert!(parse(&[0xff, 0xfe]).unwrap_err().contains("not UTF-8"));
+        assert!(
+            refused("concurrency_limits: {a: 2}").contains("`concurrency_limits` is not supported")
+        );
+        assert!(parse(&[0xff, 0xfe], "t").unwrap_err().contains("not UTF-8"));
+        assert!(refused("demoted_topic: 'bad topic'").contains("not a valid Kafka topic"));
+        assert!(
+            refused("demoted_namespaces: ['']")
+                .contains("demoted_namespaces[0].namespace is empty")
+        );
+        assert_eq!(
+            parse(b"demoted_topic: slow-pool", "tasks-long")
+                .unwrap()
+                .demoted_topic,
+            "slow-pool"
+        );
         let long = "x".repeat(MAX_NAME + 1);
         assert!(refused(&format!("paused: [{{namespace: {long}}}]")).contains("longer than"));
     }

@@ -81,6 +81,7 @@ fn ids(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
 on_both_backends!(
     a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones,
     a_paused_namespace_holds_its_tasks_until_resumed,
+    a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving,
 );
 
 /// Pull mode, so nothing is delivered until the test pulls: `kill` and
@@ -266,6 +267,112 @@ async fn a_paused_namespace_holds_its_tasks_until_resumed(backend: Backend) {
     broker.stop().await;
 }
 
+/// Pull mode: `slow` and `fast` tasks are stored; `slow` is demoted; upkeep
+/// forwards the stored `slow` rows to `tasks-long` (the default demoted
+/// topic) and the consumer forwards new `slow` records there at ingest.
+/// Each `slow` task reaches the demoted topic exactly once with its bytes
+/// unchanged, none is delivered here, and every `fast` one is.
+async fn a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving(backend: Backend) {
+    let db = TestStore::new(backend).await;
+    let store = db.store().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 2);
+    kafka.create_topic("tasks-long", 2);
+    let runtime = RuntimeDir::new();
+    runtime.write("");
+    let metrics = Arc::new(Metrics::new());
+    let broker = Broker::start(
+        &config(
+            &db,
+            &kafka,
+            &runtime.path(),
+            &[("DELIVERY_MODE", "pull".to_owned())],
+        ),
+        store.clone(),
+        Arc::clone(&metrics),
+        "test-host",
+    )
+    .expect("broker starts");
+    let (slow_before, fast_before) = (ids("slow", 0..40), ids("fast", 0..40));
+    let mut encoded: HashMap<String, Vec<u8>> = HashMap::new();
+    for (ids, namespace) in [(&slow_before, "slow"), (&fast_before, "fast")] {
+        let payloads = encoded_tasks(ids, namespace, 60);
+        encoded.extend(ids.iter().cloned().zip(payloads.iter().cloned()));
+        kafka.produce("tasks", &payloads).await;
+    }
+    wait_until("all 80 are stored", Duration::from_secs(30), || async {
+        store.count_by_status().await.unwrap().total() == 80
+    })
+    .await;
+
+    runtime.write("demoted_namespaces: [slow]\n");
+    wait_until(
+        "upkeep forwards the stored slow rows",
+        Duration::from_secs(30),
+        || async { store.count_by_status().await.unwrap().total() == 40 },
+    )
+    .await;
+    assert_eq!(kafka.end_offsets("tasks-long", 2).iter().sum::<i64>(), 40);
+
+    let (slow_after, fast_after) = (ids("slow", 40..60), ids("fast", 40..60));
+    for (ids, namespace) in [(&slow_after, "slow"), (&fast_after, "fast")] {
+        let payloads = encoded_tasks(ids, namespace, 60);
+        encoded.extend(ids.iter().cloned().zip(payloads.iter().cloned()));
+        kafka.produce("tasks", &payloads).await;
+    }
+    let records = |result: &str| {
+        metrics
+            .consumer_records
+            .with_label_values(&["tasks", result])
+            .get()
+    };
+    wait_until(
+        "new slow records are forwarded at ingest, fast ones stored",
+        Duration::from_secs(30),
+        || async { records("demoted") == 20 && records("stored") == 100 },
+    )
+    .await;
+
+    // Exactly once each, keyed by id, bytes unchanged.
+    let forwarded = kafka.read_all("tasks-long", 2);
+    assert_eq!(forwarded.len(), 60);
+    let mut seen = BTreeSet::new();
+    for record in &forwarded {
+        let key = String::from_utf8(rdkafka::Message::key(record).unwrap().to_vec()).unwrap();
+        assert!(seen.insert(key.clone()), "{key} forwarded twice");
+        assert_eq!(
+            common::kafka::payload(record),
+            encoded[&key],
+            "{key} unchanged"
+        );
+    }
+    let slow: BTreeSet<String> = slow_before.into_iter().chain(slow_after).collect();
+    assert_eq!(seen, slow);
+    assert_eq!(
+        metrics
+            .upkeep_transitions
+            .with_label_values(&["forward_demoted"])
+            .get(),
+        40
+    );
+
+    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+        .await
+        .unwrap();
+    let mut pulled = BTreeSet::new();
+    while let Some(task) = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .ok()
+        .and_then(|response| response.into_inner().task)
+    {
+        assert!(pulled.insert(task.id), "pulled twice");
+    }
+    let fast: BTreeSet<String> = fast_before.into_iter().chain(fast_after).collect();
+    assert_eq!(pulled, fast);
+    broker.stop().await;
+}
+
 /// A bad version is refused, counted once and leaves the rules as they
 /// were; a good one replaces them; a file that disappears is refused once.
 #[test]
@@ -273,7 +380,8 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
     let runtime = RuntimeDir::new();
     runtime.write("killswitches:\n  - taskname: poison\n");
     let metrics = Arc::new(Metrics::new());
-    let (mut file, rules) = RuntimeFile::open(&runtime.path(), Arc::clone(&metrics)).unwrap();
+    let (mut file, rules) =
+        RuntimeFile::open(&runtime.path(), "tasks-long", Arc::clone(&metrics)).unwrap();
     assert!(rules.killed("any", "poison"));
     assert!(metrics.runtime_config_loaded.get() > 0);
 
@@ -313,7 +421,7 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
 fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
     let runtime = RuntimeDir::new();
     runtime.write("paused:\n  - aplication: billing\n");
-    let err = RuntimeFile::open(&runtime.path(), Arc::new(Metrics::new()))
+    let err = RuntimeFile::open(&runtime.path(), "tasks-long", Arc::new(Metrics::new()))
         .err()
         .expect("refused");
     assert!(err.starts_with("TASKBROKER_RUNTIME_CONFIG: "), "{err}");
@@ -321,7 +429,7 @@ fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
     assert!(err.contains("unknown field `aplication`"), "{err}");
 
     let missing = runtime.dir.join("absent.yaml");
-    let err = RuntimeFile::open(&missing, Arc::new(Metrics::new()))
+    let err = RuntimeFile::open(&missing, "tasks-long", Arc::new(Metrics::new()))
         .err()
         .expect("refused");
     assert!(err.contains("cannot read"), "{err}");

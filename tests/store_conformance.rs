@@ -105,6 +105,7 @@ conformance!(
     pull_claims_leave_out_paused_applications_and_namespaces,
     killswitched_rows_are_removed_except_processing,
     killswitch_patterns_take_sql_wildcards_literally,
+    demoted_rows_are_taken_under_a_lease_and_removed_once_forwarded,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1644,4 +1645,68 @@ async fn killswitch_patterns_take_sql_wildcards_literally(store: Store) {
     assert_eq!(remove("?task").await, 1);
     assert_eq!(remove("100*").await, 1);
     assert!(store.get("ab").await.unwrap().is_some());
+}
+
+async fn demoted_rows_are_taken_under_a_lease_and_removed_once_forwarded(store: Store) {
+    let slow = |id: &str| row_of(id, "app", "slow", "t");
+    // A Processing and a Claimed row of the namespace: not taken.
+    insert(store.as_ref(), &[slow("running")]).await;
+    let running = claim_all(&store, LEASE).await;
+    store
+        .mark_processing(&tokens(&running), Duration::from_secs(60))
+        .await
+        .unwrap();
+    insert(store.as_ref(), &[slow("claimed")]).await;
+    claim_all(&store, LEASE).await;
+    let mut from_demoted_topic = slow("already-demoted");
+    from_demoted_topic.topic = "tasks-long".to_owned();
+    insert(
+        store.as_ref(),
+        &[
+            slow("pending"),
+            with_status(slow("delayed"), ActivationStatus::Delay),
+            row_of("fast", "app", "fast", "t"),
+            from_demoted_topic,
+        ],
+    )
+    .await;
+    let namespaces = ["slow".to_owned()];
+    let take = |lease: Duration| {
+        let store = Arc::clone(&store);
+        let namespaces = namespaces.clone();
+        async move {
+            let mut taken = ids(&store
+                .take_demoted(&namespaces, "tasks-long", 100, lease)
+                .await
+                .unwrap());
+            taken.sort();
+            taken
+        }
+    };
+    assert!(
+        store
+            .take_demoted(&[], "tasks-long", 100, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Taken once, with the bytes as stored; a second taker finds them leased.
+    assert_eq!(take(Duration::ZERO).await, ["delayed", "pending"]);
+    // A lease that ran out offers them again (the forward was not acknowledged).
+    assert_eq!(take(LEASE).await, ["delayed", "pending"]);
+    assert!(take(LEASE).await.is_empty());
+    let taken = ["delayed".to_owned(), "pending".to_owned()];
+    assert_eq!(store.remove_forwarded(&taken).await.unwrap(), 2);
+    assert_eq!(store.remove_forwarded(&taken).await.unwrap(), 0);
+    for kept in ["running", "claimed", "fast", "already-demoted"] {
+        assert!(store.get(kept).await.unwrap().is_some(), "{kept} kept");
+    }
+    // A forwarded row that was claimed meanwhile is not removed.
+    assert_eq!(
+        store
+            .remove_forwarded(&["claimed".to_owned()])
+            .await
+            .unwrap(),
+        0
+    );
 }

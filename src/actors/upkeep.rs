@@ -25,6 +25,11 @@
 //! completed instead. A retry's id follows from the original id and attempt
 //! (`retry_activation`), so a row published twice yields one task.
 //!
+//! Demoted namespaces (the runtime file) are forwarded beside publishing
+//! the same way: their stored rows are taken under a lease, their original
+//! bytes produced to the demoted topic, and only rows Kafka acknowledged
+//! are deleted.
+//!
 //! Each cycle also refreshes the max-lag gauge (from indexes); the
 //! per-status counts, which read the whole table, are refreshed at most
 //! every [`STATUS_COUNT_INTERVAL`].
@@ -52,7 +57,8 @@ use super::fetch::WakeFetch;
 use super::store::{
     CountByStatus, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
-    RemoveExpired, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage, TakeForPublish,
+    RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage,
+    TakeDemoted, TakeForPublish,
 };
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
@@ -135,8 +141,9 @@ impl UpkeepActor {
             },
             dead_letter: match &config.dlq_kafka {
                 Some(kafka) => create(kafka)?,
-                None => default,
+                None => default.clone(),
             },
+            forward: default,
         };
         let interval = config.interval;
         Ok(UpkeepActor {
@@ -213,7 +220,8 @@ impl Handler<RunUpkeep> for UpkeepActor {
             actix_rt::spawn(async move {
                 futures::join!(
                     cycle.publish(PublishKind::Retry),
-                    cycle.publish(PublishKind::DeadLetter)
+                    cycle.publish(PublishKind::DeadLetter),
+                    cycle.forward_demoted()
                 );
                 publishing.store(false, Ordering::Release);
             });
@@ -242,11 +250,12 @@ impl Handler<StopUpkeep> for UpkeepActor {
 }
 
 /// The producers of the retry and dead-letter topics (one client when both
-/// are on the same cluster).
+/// are on the same cluster), and of the demoted topic (the default cluster).
 #[derive(Clone)]
 struct Producers {
     retry: Producer,
     dead_letter: Producer,
+    forward: Producer,
 }
 
 /// One upkeep cycle's work, detached from the actor.
@@ -553,6 +562,84 @@ impl Cycle {
         marked.filter(|_| all_delivered)
     }
 
+    /// Forwards demoted namespaces' stored rows to the demoted topic until
+    /// none is left (or the step budget runs out).
+    async fn forward_demoted(&self) {
+        let mut passes = Passes::new(self, FORWARD_DEMOTED);
+        while passes.again(self.forward_pass().await) {}
+    }
+
+    /// One batch of [`Cycle::forward_demoted`]: the rows' original bytes go
+    /// to the demoted topic unchanged (keyed by id); only rows Kafka
+    /// acknowledged are deleted. Answers how many rows it took, or `None`
+    /// when it failed or a record was not acknowledged (those rows are
+    /// forwarded again after their lease: a duplicate at worst, never a
+    /// loss).
+    async fn forward_pass(&self) -> Option<u64> {
+        let rules = self.config.rules.current();
+        if rules.demoted_namespaces.is_empty() {
+            return Some(0);
+        }
+        let started = Instant::now();
+        let taken = match self
+            .store
+            .call(TakeDemoted {
+                namespaces: Arc::clone(&rules.demoted_namespaces),
+                demoted_topic: rules.demoted_topic.clone(),
+                limit: self.config.batch_limit,
+                lease: self.config.publish_lease,
+            })
+            .await
+        {
+            Ok(rows) => rows,
+            Err(err) => return self.failed(FORWARD_DEMOTED, &err),
+        };
+        if taken.is_empty() {
+            return Some(0);
+        }
+        let count = u64::try_from(taken.len()).unwrap_or(u64::MAX);
+        let topic = rules.demoted_topic.as_str();
+        let timeout = rdkafka::util::Timeout::After(self.config.delivery_timeout);
+        let sends = taken.iter().map(|row| {
+            self.producers.forward.send(
+                FutureRecord::to(topic)
+                    .key(&row.id)
+                    .payload(&row.activation),
+                timeout,
+            )
+        });
+        let mut forwarded = Vec::with_capacity(taken.len());
+        let mut all_delivered = true;
+        for (row, sent) in taken.iter().zip(futures::future::join_all(sends).await) {
+            match sent {
+                Ok(_) => forwarded.push(row.id.clone()),
+                Err((err, _)) => {
+                    all_delivered = false;
+                    tracing::warn!(activation_id = %row.id, topic, error = %err,
+                        "cannot forward a demoted task; it stays and is forwarded again \
+                         after its lease");
+                }
+            }
+        }
+        let removed = match self.store.call(RemoveForwarded { ids: forwarded }).await {
+            Ok(removed) => {
+                self.metrics
+                    .upkeep_transitions
+                    .with_label_values(&[FORWARD_DEMOTED])
+                    .inc_by(removed);
+                Some(count)
+            }
+            // On Kafka but still stored: forwarded again after the lease
+            // (the demoted pool's store drops the duplicate id).
+            Err(err) => self.failed(FORWARD_DEMOTED, &err),
+        };
+        self.metrics
+            .upkeep_duration
+            .with_label_values(&[FORWARD_DEMOTED])
+            .observe(started.elapsed().as_secs_f64());
+        removed.filter(|_| all_delivered)
+    }
+
     async fn refresh_gauges(&self) {
         if self.count_statuses {
             match self.store.call(CountByStatus {}).await {
@@ -580,6 +667,9 @@ enum Delivery {
 fn too_large(err: &KafkaError) -> bool {
     err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
 }
+
+/// The step forwarding demoted namespaces' rows (metrics, logs).
+const FORWARD_DEMOTED: &str = "forward_demoted";
 
 /// A publish step's name (metrics, logs) and `kind` label.
 fn publish_names(kind: PublishKind) -> (&'static str, &'static str) {

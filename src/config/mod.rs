@@ -40,7 +40,7 @@ pub use settings::{
 };
 pub use topics::{
     ConsumedTopic, DEFAULT_CLUSTER, KafkaCluster, RawMode, RawTaskName, TopicAt, Topology,
-    cluster_config_variable,
+    cluster_config_variable, valid_topic_name,
 };
 
 use std::fmt::{self, Write as _};

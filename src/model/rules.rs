@@ -142,6 +142,14 @@ impl PauseRule {
 pub struct TaskRules {
     pub killswitches: Arc<[Killswitch]>,
     pub paused: Arc<[PauseRule]>,
+    /// Namespaces whose tasks are forwarded, unchanged, to
+    /// `demoted_topic` (at ingest, and by upkeep for stored rows) for a
+    /// broker pool dedicated to slow work.
+    pub demoted_namespaces: Arc<[String]>,
+    pub demoted_topic: String,
+    /// What claims leave out: the paused rules, and every demoted namespace
+    /// (its stored rows wait for upkeep to forward them, never pushed here).
+    pub unclaimable: Arc<[PauseRule]>,
 }
 
 impl TaskRules {
@@ -157,6 +165,13 @@ impl TaskRules {
         self.paused
             .iter()
             .any(|rule| rule.matches(application, namespace))
+    }
+
+    /// Whether a task of `namespace` consumed from `topic` is forwarded to
+    /// the demoted topic: never when it came from that topic (the slow
+    /// pool's own consumer stores what it reads).
+    pub fn demoted(&self, namespace: &str, topic: &str) -> bool {
+        topic != self.demoted_topic && self.demoted_namespaces.iter().any(|n| n == namespace)
     }
 }
 

@@ -325,6 +325,22 @@ pub trait ActivationStore: Send + Sync + 'static {
         lease: Duration,
     ) -> StoreResult<Vec<InflightActivation>>;
 
+    /// Upkeep: takes up to `limit` Pending or Delay rows of the demoted
+    /// `namespaces` to forward to `demoted_topic` (rows consumed from that
+    /// topic are not taken), leased for `lease` like rows taken for
+    /// publishing, so two brokers never forward the same row.
+    async fn take_demoted(
+        &self,
+        namespaces: &[String],
+        demoted_topic: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>>;
+
+    /// Upkeep: Kafka acknowledged these forwarded rows: deletes those still
+    /// Pending or Delay. Returns how many were deleted.
+    async fn remove_forwarded(&self, ids: &[String]) -> StoreResult<u64>;
+
     /// Upkeep: Failure rows whose task says discard → Complete.
     async fn discard_failures(&self, limit: usize) -> StoreResult<u64>;
 

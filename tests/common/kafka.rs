@@ -49,6 +49,7 @@ impl MockKafka {
             crash_before_commit_after: None,
             health: Default::default(),
             rules: taskbroker::runtime::RuntimeRules::none(),
+            forward_kafka: self.settings(),
             stop_grace: MIN_STOP_GRACE,
         }
     }

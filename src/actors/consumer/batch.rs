@@ -1,6 +1,7 @@
 //! The batch a consumer builds between flushes: each record read is
 //! classified (a row to store, an invalid record for the ingest dead-letter
-//! topic, or an expired or killswitched one to count) and its offset noted under the
+//! topic, an activation of a demoted namespace to forward, or an expired or
+//! killswitched one to count) and its offset noted under the
 //! partition's ownership generation, so a flush commits only what it settled.
 
 use std::collections::BTreeMap;
@@ -24,6 +25,8 @@ pub(super) struct Batch {
     pub(super) expired: u64,
     /// Records a killswitch dropped.
     pub(super) killswitched: u64,
+    /// Activations of demoted namespaces, with the topic they go to.
+    pub(super) demoted: Vec<(InflightActivation, String)>,
     /// Per (topic, partition): the ownership generation the records were
     /// read under, and the highest offset read.
     pub(super) offsets: BTreeMap<(String, i32), (u64, i64)>,
@@ -32,7 +35,10 @@ pub(super) struct Batch {
 
 impl Batch {
     pub(super) fn records(&self) -> usize {
-        self.rows.len() + self.invalid.len() + (self.expired + self.killswitched) as usize
+        self.rows.len()
+            + self.invalid.len()
+            + self.demoted.len()
+            + (self.expired + self.killswitched) as usize
     }
 }
 
@@ -135,7 +141,10 @@ impl ConsumeLoop {
                 Ok(row) if self.config.rules.killed(&row.namespace, &row.taskname) => {
                     batch.killswitched += 1;
                 }
-                Ok(row) => batch.rows.push(row),
+                Ok(row) => match self.config.rules.demoted_to(&row.namespace, &row.topic) {
+                    Some(topic) => batch.demoted.push((row, topic)),
+                    None => batch.rows.push(row),
+                },
                 Err(error) => batch.invalid.push(Invalid {
                     bytes: payload,
                     original_len: None,

@@ -14,7 +14,8 @@ use crate::model::{ActivationError, KafkaPosition};
 
 /// How long the dead-letter producer tries to deliver one record before the
 /// attempt counts as failed and is retried.
-pub(super) const DEAD_LETTER_DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
+pub(in crate::actors::consumer) const DEAD_LETTER_DELIVERY_TIMEOUT: Duration =
+    Duration::from_secs(10);
 /// Header names on ingest dead-letter records.
 pub const ERROR_HEADER: &str = "taskbroker-error";
 pub const REASON_HEADER: &str = "taskbroker-error-reason";

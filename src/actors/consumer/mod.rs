@@ -9,7 +9,8 @@
 //!
 //! Offsets are committed by hand, and only up to records the batch fully
 //! settled: rows the StoreActor acknowledged as durable, invalid records the
-//! ingest DLQ acknowledged, expired and killswitched records counted. A crash between insert
+//! ingest DLQ acknowledged, demoted activations the demoted topic
+//! acknowledged, expired and killswitched records counted. A crash between insert
 //! and commit re-reads the batch; inserts are idempotent, so each activation
 //! is still stored once. Offsets of a partition revoked after its records
 //! were read are never committed: its new owner re-reads them.
@@ -110,8 +111,11 @@ pub struct ConsumerConfig {
     pub max_activation_bytes: usize,
     /// Where assignments are reported (readiness waits for the first).
     pub health: Health,
-    /// The operators' rules: records a killswitch matches are dropped.
+    /// The operators' rules: records a killswitch matches are dropped,
+    /// demoted namespaces' activations forwarded.
     pub rules: RuntimeRules,
+    /// The default cluster, where demoted namespaces' activations go.
+    pub forward_kafka: KafkaSettings,
     /// Test-only switch (`test-hooks` builds only): after this many stored
     /// batches the loop stops without committing, as if the process died
     /// between insert and commit.
@@ -260,6 +264,8 @@ struct ConsumeLoop {
     consumer: StreamConsumer<RebalanceContext>,
     ownership: Arc<Ownership>,
     dead_letters: Producer,
+    /// Forwards demoted namespaces' activations; created on first use.
+    forwarder: Option<Producer>,
     error_log: ThrottledLog,
     rebalances: mpsc::UnboundedReceiver<Rebalanced>,
     store: StoreHandle,
@@ -325,6 +331,7 @@ impl ConsumeLoop {
             consumer,
             ownership,
             dead_letters,
+            forwarder: None,
             rebalances,
             store,
             wake,
@@ -487,6 +494,7 @@ impl ConsumeLoop {
             mut invalid,
             expired,
             killswitched,
+            mut demoted,
             offsets,
             ..
         } = batch;
@@ -507,6 +515,7 @@ impl ConsumeLoop {
             };
             rows.retain(|row| kept(&row.topic, row.partition));
             invalid.retain(|record| kept(&record.position.topic, record.position.partition));
+            demoted.retain(|(row, _)| kept(&row.topic, row.partition));
         }
         let read = rows.len() as u64;
         let mut stored = 0;
@@ -527,6 +536,10 @@ impl ConsumeLoop {
         if self.dead_letter(invalid).await.is_err() {
             return Flushed::GaveUp;
         }
+        let forwarded = demoted.len() as u64;
+        if self.forward_demoted(demoted).await.is_err() {
+            return Flushed::GaveUp;
+        }
         let metrics = &self.metrics.consumer_records;
         let topic = self.label.as_str();
         metrics
@@ -535,6 +548,9 @@ impl ConsumeLoop {
         metrics
             .with_label_values(&[topic, "killswitched"])
             .inc_by(killswitched);
+        metrics
+            .with_label_values(&[topic, "demoted"])
+            .inc_by(forwarded);
         metrics.with_label_values(&[topic, "stored"]).inc_by(stored);
         metrics
             .with_label_values(&[topic, "duplicate"])

@@ -10,7 +10,11 @@ use std::time::Duration;
 
 use super::dead_letter::{self, Invalid};
 use super::{ConsumeLoop, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN, Stopped};
+use rdkafka::producer::FutureRecord;
+use rdkafka::util::Timeout;
+
 use crate::actors::store::InsertBatch;
+use crate::kafka::Producer;
 use crate::metrics::Stage;
 use crate::model::{ActivationError, InflightActivation, KafkaPosition};
 use crate::store::StoreError;
@@ -177,6 +181,74 @@ impl ConsumeLoop {
             }
         }
         Ok(())
+    }
+
+    /// Forwards demoted namespaces' activations, unchanged and keyed by id,
+    /// to the demoted topic on the default cluster; resolves once Kafka
+    /// acknowledged every one. Failures are retried with backoff and the
+    /// partitions paused, like dead letters: no offset moves past a record
+    /// that is neither stored nor forwarded.
+    pub(super) async fn forward_demoted(
+        &mut self,
+        demoted: Vec<(InflightActivation, String)>,
+    ) -> Result<(), Stopped> {
+        let mut pending = demoted;
+        let mut backoff = Backoff::new();
+        while !pending.is_empty() {
+            let failure = match self.forward_producer() {
+                Err(err) => Some(err),
+                Ok(producer) => {
+                    let timeout = Timeout::After(dead_letter::DEAD_LETTER_DELIVERY_TIMEOUT);
+                    let sends = futures::future::join_all(pending.iter().map(|(row, topic)| {
+                        producer.send(
+                            FutureRecord::to(topic)
+                                .key(&row.id)
+                                .payload(&row.activation),
+                            timeout,
+                        )
+                    }));
+                    let results = self.attempt(sends).await.ok_or(Stopped)?;
+                    let mut last_error = None;
+                    let mut failed = Vec::new();
+                    for (item, result) in pending.into_iter().zip(results) {
+                        if let Err((err, _)) = result {
+                            last_error = Some(err.to_string());
+                            failed.push(item);
+                        }
+                    }
+                    pending = failed;
+                    last_error
+                }
+            };
+            if let Some(err) = failure {
+                let pause = backoff.next();
+                tracing::warn!(
+                    error = %err,
+                    records = pending.len(),
+                    retry_in = ?pause,
+                    "cannot forward demoted tasks to the demoted topic; partitions paused \
+                     until it succeeds"
+                );
+                self.held = true;
+                if !self.wait_polling(pause).await {
+                    return Err(Stopped);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_producer(&mut self) -> Result<Producer, String> {
+        if let Some(producer) = &self.forwarder {
+            return Ok(producer.clone());
+        }
+        let producer = self
+            .config
+            .forward_kafka
+            .create_producer(dead_letter::DEAD_LETTER_DELIVERY_TIMEOUT)
+            .map_err(|err| format!("Kafka producer for the demoted topic: {err}"))?;
+        self.forwarder = Some(producer.clone());
+        Ok(producer)
     }
 }
 

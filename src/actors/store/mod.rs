@@ -139,14 +139,14 @@ store_messages! {
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
     /// Claim Pending rows of a bucket range for push delivery, leaving out
-    /// paused applications and namespaces.
+    /// paused applications and namespaces and demoted namespaces.
     ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
-        "claim_for_push", |store, msg, rules| store.claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.paused);
+        "claim_for_push", |store, msg, rules| store.claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.unclaimable);
 
     /// Pull mode: hand the oldest matching Pending row to a worker, leaving
-    /// out paused applications and namespaces.
+    /// out paused applications and namespaces and demoted namespaces.
     ClaimForPull { filter: PullFilter, deadline_grace: Duration } -> Option<InflightActivation>,
-        "claim_for_pull", |store, msg, rules| store.claim_for_pull_except(&msg.filter, msg.deadline_grace, &rules.paused);
+        "claim_for_pull", |store, msg, rules| store.claim_for_pull_except(&msg.filter, msg.deadline_grace, &rules.unclaimable);
 
     /// Return claims to Pending in one fenced statement.
     ReleaseClaims { claims: Vec<ClaimToken> } -> u64,
@@ -189,6 +189,15 @@ store_messages! {
     /// Upkeep: take Retry or dead-letter rows to publish, leased.
     TakeForPublish { kind: PublishKind, limit: usize, lease: Duration } -> Vec<InflightActivation>,
         "take_for_publish", |store, msg| store.take_for_publish(msg.kind, msg.limit, msg.lease);
+
+    /// Upkeep: take demoted namespaces' stored rows to forward, leased.
+    TakeDemoted { namespaces: Arc<[String]>, demoted_topic: String, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+        "take_demoted",
+        |store, msg| store.take_demoted(&msg.namespaces, &msg.demoted_topic, msg.limit, msg.lease);
+
+    /// Upkeep: Kafka acknowledged forwarded rows; delete them.
+    RemoveForwarded { ids: Vec<String> } -> u64,
+        "remove_forwarded", |store, msg| store.remove_forwarded(&msg.ids);
 
     /// Upkeep: discard Failure rows that are not dead-lettered.
     DiscardFailures { limit: usize } -> u64,

@@ -581,6 +581,40 @@ impl ActivationStore for PostgresStore {
         activations_from_rows(&rows)
     }
 
+    async fn take_demoted(
+        &self,
+        namespaces: &[String],
+        demoted_topic: &str,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        if namespaces.is_empty() || limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = self
+            .query(
+                &self.pool,
+                "take_demoted",
+                TAKE_DEMOTED,
+                &[
+                    &namespaces,
+                    &demoted_topic,
+                    &limit(limit_rows),
+                    &micros(lease),
+                ],
+            )
+            .await?;
+        activations_from_rows(&rows)
+    }
+
+    async fn remove_forwarded(&self, ids: &[String]) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.execute(&self.pool, "remove_forwarded", REMOVE_FORWARDED, &[&ids])
+            .await
+    }
+
     async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
         self.execute(
             &self.pool,

@@ -289,6 +289,26 @@ pub(super) const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
 pub(super) const TAKE_DEAD_LETTERS: &str =
     take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
 
+// Demoted namespaces' stored rows, to forward to the demoted topic: Pending
+// or Delay rows of the namespaces $1 not consumed from the demoted topic
+// $2, leased for $4 µs like rows taken for publishing (claims leave these
+// namespaces out, so nothing else takes them meanwhile).
+pub(super) const TAKE_DEMOTED: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status IN ('Pending', 'Delay') AND namespace = ANY($1) AND topic <> $2 \
+         AND (publish_expires_at IS NULL OR publish_expires_at < now()) \
+       ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t \
+       SET publish_expires_at = now() + $4::int8 * interval '1 microsecond' \
+     FROM picked WHERE t.id = picked.id RETURNING ",
+    columns!(t)
+);
+
+// Kafka acknowledged the forwarded rows: they are gone from here. A row
+// claimed meanwhile (by a broker without the rule) stays and runs there.
+pub(super) const REMOVE_FORWARDED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id = ANY($1) AND status IN ('Pending', 'Delay')";
+
 pub(super) const DISCARD_FAILURES: &str = "WITH picked AS MATERIALIZED (SELECT id \
        FROM inflight_taskactivations WHERE status = 'Failure' AND on_attempts_exceeded <> 2 \
        LIMIT $1 FOR UPDATE SKIP LOCKED) \

@@ -690,6 +690,50 @@ impl ActivationStore for SqliteStore {
         .await
     }
 
+    async fn take_demoted(
+        &self,
+        namespaces: &[String],
+        demoted_topic: &str,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<InflightActivation>> {
+        const OP: &str = "take_demoted";
+        if namespaces.is_empty() || limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let namespaces = json_strings(namespaces.iter().map(String::as_str));
+        let topic = demoted_topic.to_owned();
+        let lease = duration_micros(lease);
+        self.write(OP, true, move |connection| {
+            let now = now_micros();
+            query_rows(
+                connection,
+                OP,
+                TAKE_DEMOTED,
+                params![
+                    namespaces,
+                    topic,
+                    limit(limit_rows),
+                    now.saturating_add(lease),
+                    now
+                ],
+            )
+        })
+        .await
+    }
+
+    async fn remove_forwarded(&self, ids: &[String]) -> StoreResult<u64> {
+        const OP: &str = "remove_forwarded";
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let ids = json_strings(ids.iter().map(String::as_str));
+        self.write(OP, true, move |connection| {
+            execute(connection, OP, REMOVE_FORWARDED, params![ids])
+        })
+        .await
+    }
+
     async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
         const OP: &str = "discard_failures";
         self.write(OP, true, move |connection| {

@@ -217,6 +217,22 @@ pub(super) const TAKE_RETRIES: &str = take_for_publish!("status = 'Retry'");
 pub(super) const TAKE_DEAD_LETTERS: &str =
     take_for_publish!("status = 'Failure' AND on_attempts_exceeded = 2");
 
+// Demoted namespaces' stored rows, to forward: `?1` namespaces (JSON),
+// `?2` the demoted topic (rows read from it stay), `?3` limit, `?4` lease
+// end, `?5` now.
+pub(super) const TAKE_DEMOTED: &str = concat!(
+    "UPDATE inflight_taskactivations SET publish_expires_at = ?4 \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status IN ('Pending', 'Delay') \
+         AND namespace IN (SELECT value FROM json_each(?1)) AND topic <> ?2 \
+         AND (publish_expires_at IS NULL OR publish_expires_at < ?5) \
+       ORDER BY added_at LIMIT ?3) RETURNING ",
+    columns!()
+);
+
+pub(super) const REMOVE_FORWARDED: &str = "DELETE FROM inflight_taskactivations \
+     WHERE id IN (SELECT value FROM json_each(?1)) AND status IN ('Pending', 'Delay')";
+
 pub(super) const DISCARD_FAILURES: &str = "UPDATE inflight_taskactivations SET status = 'Complete' \
      WHERE id IN (SELECT id FROM inflight_taskactivations \
        WHERE status = 'Failure' AND on_attempts_exceeded <> 2 LIMIT ?1)";

@@ -409,6 +409,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
     let consumer = ConsumerActor::new(
         ConsumerConfig {
             ingest_dlq_kafka: kafka.clone(),
+            forward_kafka: kafka.clone(),
             kafka,
             cluster: taskbroker::config::DEFAULT_CLUSTER.to_owned(),
             topic: "tasks".to_owned(),

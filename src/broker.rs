@@ -183,7 +183,7 @@ impl PushPipeline {
 }
 
 /// The settings of `cluster` (every cluster of a validated topology exists).
-fn cluster_settings(config: &Config, topology: &Topology, cluster: &str) -> KafkaSettings {
+pub fn cluster_settings(config: &Config, topology: &Topology, cluster: &str) -> KafkaSettings {
     topology.cluster(cluster).map_or_else(
         || KafkaSettings::from_config(config),
         |cluster| KafkaSettings::for_cluster(cluster, config.max_activation_bytes),

@@ -14,8 +14,9 @@
 //! or, with `--markdown`, the configuration reference in docs/. `taskbroker demo` runs
 //! everything on one machine with nothing installed (src/cli/demo/), `taskbroker
 //! demo-worker` serves a demo worker, `taskbroker healthcheck` probes `/health` for
-//! container health checks, and `taskbroker inspect` shows what the store holds
-//! (src/cli/inspect.rs).
+//! container health checks, `taskbroker inspect` shows what the store holds
+//! (src/cli/inspect.rs), and `taskbroker dlq` lists, shows and redrives dead
+//! letters (src/cli/dlq.rs).
 
 mod cli;
 
@@ -80,6 +81,11 @@ enum Command {
     /// about to run out), or one task by id; read-only, safe while brokers
     /// run. Needs only the store settings.
     Inspect(cli::inspect::InspectArgs),
+    /// The dead-letter topic: list or show dead letters (filtered by
+    /// namespace, task name, time, ids), or redrive them to the main topic
+    /// as new tasks; a second redrive of the same filters republishes
+    /// nothing twice.
+    Dlq(cli::dlq::DlqArgs),
 }
 
 fn main() -> ExitCode {
@@ -95,6 +101,7 @@ fn main() -> ExitCode {
         }
         Some(Command::Healthcheck) => return healthcheck(),
         Some(Command::Inspect(args)) => return cli::inspect::inspect(args),
+        Some(Command::Dlq(args)) => return cli::dlq::dlq(args),
         _ => {}
     }
     let config = match Config::from_env() {
@@ -132,7 +139,8 @@ fn main() -> ExitCode {
         Command::Demo(_)
         | Command::DemoWorker { .. }
         | Command::Healthcheck
-        | Command::Inspect(_) => {
+        | Command::Inspect(_)
+        | Command::Dlq(_) => {
             unreachable!("handled before the configuration is read")
         }
     };

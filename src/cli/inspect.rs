@@ -266,21 +266,43 @@ pub fn task_json(row: &InflightActivation) -> Value {
     });
     match TaskActivation::decode(row.activation.as_slice()) {
         Ok(task) => {
-            value["headers"] = json!(task.headers);
-            value["retry_state"] = task.retry_state.map_or(Value::Null, |retry| {
-                json!({
-                    "attempts": retry.attempts,
-                    "max_attempts": retry.max_attempts,
-                    "on_attempts_exceeded": retry.on_attempts_exceeded,
-                    "at_most_once": retry.at_most_once,
-                    "delay_on_retry": retry.delay_on_retry,
-                })
-            });
-            value["parameters"] = parameters(&task);
+            let mut decoded = activation_json(&task);
+            for key in ["headers", "retry_state", "parameters"] {
+                value[key] = decoded[key].take();
+            }
         }
         Err(err) => value["decode_error"] = json!(err.to_string()),
     }
     value
+}
+
+/// A TaskActivation as read off Kafka: its fields, retry state and decoded
+/// arguments.
+pub fn activation_json(task: &TaskActivation) -> Value {
+    json!({
+        "id": task.id,
+        "application": task.application,
+        "namespace": task.namespace,
+        "taskname": task.taskname,
+        "received_at": task.received_at.as_ref().and_then(|at| {
+            DateTime::<Utc>::from_timestamp(at.seconds, u32::try_from(at.nanos).unwrap_or(0))
+                .map(|at| at.to_rfc3339())
+        }),
+        "processing_deadline_duration": task.processing_deadline_duration,
+        "expires": task.expires,
+        "delay": task.delay,
+        "headers": task.headers,
+        "retry_state": task.retry_state.as_ref().map_or(Value::Null, |retry| {
+            json!({
+                "attempts": retry.attempts,
+                "max_attempts": retry.max_attempts,
+                "on_attempts_exceeded": retry.on_attempts_exceeded,
+                "at_most_once": retry.at_most_once,
+                "delay_on_retry": retry.delay_on_retry,
+            })
+        }),
+        "parameters": parameters(task),
+    })
 }
 
 /// The task's arguments: `parameters` (JSON text) parsed, else

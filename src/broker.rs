@@ -249,6 +249,7 @@ impl UpkeepConfig {
             publish_lease: delivery_timeout * 3,
             health,
             rules,
+            top_namespaces: config.metrics_top_namespaces,
         }
     }
 }

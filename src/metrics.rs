@@ -137,6 +137,12 @@ pub struct Metrics {
     /// Versions of the runtime file that were refused (unreadable or
     /// invalid); the previous one stayed in force.
     pub runtime_config_errors: IntCounter,
+    /// Unfinished rows per namespace (the top K by count, the rest as
+    /// `other`) and status (pending, delay, claimed, processing).
+    pub namespace_activations: IntGaugeVec,
+    /// Seconds the oldest first-attempt Pending task of each namespace (top
+    /// K, the rest as `other`) has been runnable.
+    pub namespace_max_lag: prometheus::GaugeVec,
     /// Rules in force from the runtime file, by kind (killswitches, paused,
     /// demoted_namespaces).
     pub runtime_rules: IntGaugeVec,
@@ -183,6 +189,10 @@ pub mod labels {
         "killswitched",
         "demoted",
     ];
+    /// `taskbroker_namespace_activations{status}`: the unfinished statuses.
+    pub const NAMESPACE_STATUSES: &[&str] = &["pending", "delay", "claimed", "processing"];
+    /// The namespace label standing for every namespace outside the top K.
+    pub const OTHER_NAMESPACES: &str = "other";
     /// `taskbroker_runtime_rules{kind}`.
     pub const RUNTIME_RULE_KINDS: &[&str] = &["killswitches", "paused", "demoted_namespaces"];
     /// `taskbroker_consumer_invalid_records_total{reason}`:
@@ -251,6 +261,7 @@ pub mod labels {
         "publish_retries",
         "publish_dead_letters",
         "forward_demoted",
+        "count_by_namespace",
         "count_by_status",
         "max_pending_lag",
     ];
@@ -291,6 +302,7 @@ pub mod labels {
         "mark_published",
         "remove_completed",
         "count_by_status",
+        "count_by_namespace",
         "count_inflight_by_topic",
         "max_pending_lag",
         "ping",
@@ -549,6 +561,19 @@ impl Metrics {
             "taskbroker_runtime_config_errors_total",
             "Versions of the runtime file refused as unreadable or invalid (the previous one stayed in force).",
         );
+        let namespace_activations = gauge_vec(
+            "taskbroker_namespace_activations",
+            "Unfinished activations per namespace (the top TASKBROKER_METRICS_TOP_NAMESPACES, the rest as \"other\") and status.",
+            &["namespace", "status"],
+        );
+        let namespace_max_lag = prometheus::GaugeVec::new(
+            Opts::new(
+                "taskbroker_namespace_max_lag_seconds",
+                "Seconds the oldest first-attempt Pending activation of each namespace (top K, the rest as \"other\") has been runnable.",
+            ),
+            &["namespace"],
+        )
+        .expect("valid metric definition");
         let runtime_rules = gauge_vec(
             "taskbroker_runtime_rules",
             "Rules in force from the runtime file, by kind.",
@@ -558,6 +583,8 @@ impl Metrics {
             Box::new(runtime_config_loaded.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(runtime_config_errors.clone()),
             Box::new(runtime_rules.clone()),
+            Box::new(namespace_activations.clone()),
+            Box::new(namespace_max_lag.clone()),
             Box::new(grpc_tls_reloads.clone()),
             Box::new(grpc_tls_loaded.clone()),
             Box::new(grpc_tls_handshake_failures.clone()),
@@ -641,6 +668,8 @@ impl Metrics {
             runtime_config_loaded,
             runtime_config_errors,
             runtime_rules,
+            namespace_activations,
+            namespace_max_lag,
         };
         metrics.initialise_label_values();
         metrics
@@ -688,6 +717,7 @@ impl Metrics {
         for kind in RUNTIME_RULE_KINDS {
             self.runtime_rules.with_label_values(&[kind]);
         }
+        self.initialise_namespace_gauges();
     }
 
     /// Counts what a status write did (status label "any": one statement
@@ -808,6 +838,40 @@ impl Metrics {
         }
     }
 
+    /// The `other` line of the per-namespace gauges, always present (at 0
+    /// while no namespace has tasks), so the families are on every scrape.
+    fn initialise_namespace_gauges(&self) {
+        for status in labels::NAMESPACE_STATUSES {
+            self.namespace_activations
+                .with_label_values(&[labels::OTHER_NAMESPACES, status]);
+        }
+        self.namespace_max_lag
+            .with_label_values(&[labels::OTHER_NAMESPACES]);
+    }
+
+    /// Replaces the per-namespace gauges: `counts` as (namespace, status,
+    /// rows), `lags` as (namespace, seconds). Namespaces no longer listed
+    /// disappear, so the series stay bounded by what the caller passes.
+    pub fn set_namespace_gauges<'a>(
+        &self,
+        counts: impl IntoIterator<Item = (&'a str, &'a str, u64)>,
+        lags: impl IntoIterator<Item = (&'a str, f64)>,
+    ) {
+        self.namespace_activations.reset();
+        self.namespace_max_lag.reset();
+        self.initialise_namespace_gauges();
+        for (namespace, status, count) in counts {
+            self.namespace_activations
+                .with_label_values(&[namespace, status])
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+        for (namespace, lag) in lags {
+            self.namespace_max_lag
+                .with_label_values(&[namespace])
+                .set(lag);
+        }
+    }
+
     /// The text exposition format served on `/metrics`.
     pub fn render(&self) -> String {
         let mut buffer = Vec::new();
@@ -870,7 +934,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 35, "{text}");
+        assert_eq!(families, 37, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

@@ -413,6 +413,7 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
             publish_lease: Duration::from_secs(10),
             health: Default::default(),
             rules: taskbroker::runtime::RuntimeRules::none(),
+            top_namespaces: 10,
         },
         harness.store_actor.clone(),
         vec![],

@@ -76,6 +76,7 @@ impl Harness {
             publish_lease: Duration::from_secs(3),
             health: Default::default(),
             rules: taskbroker::runtime::RuntimeRules::none(),
+            top_namespaces: 10,
         }
     }
 
@@ -1018,5 +1019,64 @@ async fn cycles_read_the_lag_each_time_and_count_the_table_at_most_every_interva
         harness.run_next_cycle(&upkeep, done).await;
     }
     assert_eq!(harness.metrics.store_calls("max_pending_lag"), 6);
-    assert_eq!(harness.metrics.store_calls("count_by_status"), 1);
+    // One scan serves the per-status and the per-namespace gauges.
+    assert_eq!(harness.metrics.store_calls("count_by_namespace"), 1);
+    assert_eq!(harness.metrics.store_calls("count_by_status"), 0);
+}
+
+/// The per-namespace gauges: the namespaces with the most unfinished rows
+/// get series of their own, the rest are summed as `other`, and the
+/// per-status gauge is the sum of all; on both stores.
+#[actix_rt::test]
+async fn namespace_gauges_show_the_top_namespaces_and_the_rest_as_other() {
+    for backend in [Backend::Postgres, Backend::Sqlite] {
+        let harness = Harness::on(backend).await;
+        let in_namespace = |prefix: &str, n: usize, namespace: &str| -> Vec<InflightActivation> {
+            common::rows(prefix, n)
+                .into_iter()
+                .map(|mut row| {
+                    row.namespace = namespace.to_owned();
+                    row.received_at = chrono::Utc::now() - chrono::TimeDelta::seconds(120);
+                    row
+                })
+                .collect()
+        };
+        harness.insert(&in_namespace("b", 7, "big")).await;
+        harness.insert(&in_namespace("m", 3, "mid")).await;
+        harness.insert(&in_namespace("s", 1, "small")).await;
+        harness.insert(&in_namespace("t", 1, "tiny")).await;
+        let _upkeep = harness.start_upkeep(UpkeepConfig {
+            interval: MANUAL,
+            top_namespaces: 2,
+            ..harness.config()
+        });
+        harness.wait_cycles(1).await;
+        let gauge = |namespace: &str, status: &str| {
+            harness
+                .metrics
+                .namespace_activations
+                .with_label_values(&[namespace, status])
+                .get()
+        };
+        assert_eq!(gauge("big", "pending"), 7, "{backend:?}");
+        assert_eq!(gauge("mid", "pending"), 3);
+        assert_eq!(gauge("other", "pending"), 2, "small and tiny");
+        assert_eq!(gauge("big", "claimed"), 0);
+        let text = harness.metrics.render();
+        assert!(!text.contains("namespace=\"small\""), "{text}");
+        let lag = harness
+            .metrics
+            .namespace_max_lag
+            .with_label_values(&["big"])
+            .get();
+        assert!((119.0..600.0).contains(&lag), "lag {lag}");
+        assert_eq!(
+            harness
+                .metrics
+                .activations
+                .with_label_values(&["Pending"])
+                .get(),
+            12
+        );
+    }
 }

@@ -31,8 +31,9 @@
 //! are deleted.
 //!
 //! Each cycle also refreshes the max-lag gauge (from indexes); the
-//! per-status counts, which read the whole table, are refreshed at most
-//! every [`STATUS_COUNT_INTERVAL`].
+//! per-status and per-namespace counts, which read the whole table (one
+//! `GROUP BY namespace, status` for both), are refreshed at most every
+//! [`STATUS_COUNT_INTERVAL`].
 //!
 //! Right after startup, claim-lease and processing-deadline expiry wait
 //! `RESTART_GRACE_SEC`, so workers can still report results for tasks they
@@ -55,14 +56,16 @@ pub const STATUS_COUNT_INTERVAL: Duration = Duration::from_secs(10);
 
 use super::fetch::WakeFetch;
 use super::store::{
-    CountByStatus, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
+    CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
     RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage,
     TakeDemoted, TakeForPublish,
 };
 use crate::kafka::{KafkaSettings, Producer};
 use crate::metrics::Metrics;
-use crate::model::{DeadlineOutcome, PublishKind};
+use crate::model::{
+    ActivationStatus, DeadlineOutcome, NamespaceCount, PublishKind, StatusCounts, top_namespaces,
+};
 use crate::runtime::RuntimeRules;
 use crate::store::StoreResult;
 use crate::supervisor::Health;
@@ -93,6 +96,9 @@ pub struct UpkeepConfig {
     pub health: Health,
     /// The operators' rules: stored rows a killswitch matches are removed.
     pub rules: RuntimeRules,
+    /// How many namespaces get series of their own on the per-namespace
+    /// gauges; the rest are summed as `other`.
+    pub top_namespaces: usize,
 }
 
 /// Run one upkeep cycle now (unless one is running). Answers whether a cycle
@@ -562,6 +568,40 @@ impl Cycle {
         marked.filter(|_| all_delivered)
     }
 
+    fn set_count_gauges(&self, counts: &[NamespaceCount]) {
+        let mut by_status = StatusCounts::default();
+        for count in counts {
+            by_status.set(count.status, by_status.get(count.status) + count.count);
+        }
+        self.metrics.set_status_counts(by_status.by_status());
+        let top = top_namespaces(counts, self.config.top_namespaces, chrono::Utc::now());
+        const SHOWN: [ActivationStatus; 4] = [
+            ActivationStatus::Pending,
+            ActivationStatus::Delay,
+            ActivationStatus::Claimed,
+            ActivationStatus::Processing,
+        ];
+        let labels: Vec<(String, &str, u64)> = top
+            .iter()
+            .flat_map(|summary| {
+                SHOWN.iter().map(|status| {
+                    (
+                        summary.namespace.clone(),
+                        status.metric_label(),
+                        summary.counts.get(status).copied().unwrap_or(0),
+                    )
+                })
+            })
+            .collect();
+        self.metrics.set_namespace_gauges(
+            labels
+                .iter()
+                .map(|(namespace, status, count)| (namespace.as_str(), *status, *count)),
+            top.iter()
+                .map(|summary| (summary.namespace.as_str(), summary.max_lag)),
+        );
+    }
+
     /// Forwards demoted namespaces' stored rows to the demoted topic until
     /// none is left (or the step budget runs out).
     async fn forward_demoted(&self) {
@@ -642,9 +682,10 @@ impl Cycle {
 
     async fn refresh_gauges(&self) {
         if self.count_statuses {
-            match self.store.call(CountByStatus {}).await {
-                Ok(counts) => self.metrics.set_status_counts(counts.by_status()),
-                Err(err) => self.failed("count_by_status", &err).unwrap_or(()),
+            // One scan gives both the per-status and per-namespace gauges.
+            match self.store.call(CountByNamespace {}).await {
+                Ok(counts) => self.set_count_gauges(&counts),
+                Err(err) => self.failed("count_by_namespace", &err).unwrap_or(()),
             }
         }
         match self.store.call(MaxPendingLag {}).await {

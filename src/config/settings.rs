@@ -415,6 +415,13 @@ settings! {
         render: secs,
         description: "After startup, upkeep waits this long before expiring processing deadlines and claim leases, so workers can report results held while the broker was down.",
     },
+    metrics_top_namespaces: usize = METRICS_TOP_NAMESPACES {
+        default: "10",
+        allowed: Allowed::Integer { min: 1, max: 200 },
+        secret: false,
+        render: text,
+        description: "How many namespaces get series of their own on the per-namespace gauges (`taskbroker_namespace_activations`, `taskbroker_namespace_max_lag_seconds`): those with the most unfinished tasks; the rest are summed as `other`, so the series stay bounded.",
+    },
     runtime_config: Option<PathBuf> = RUNTIME_CONFIG {
         default: "",
         allowed: Allowed::Text,

@@ -121,6 +121,93 @@ pub enum PublishKind {
     DeadLetter,
 }
 
+/// Rows of one namespace in one status, and when its oldest first-attempt
+/// Pending row became runnable (`received_at`, or its delay's end).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceCount {
+    pub namespace: String,
+    pub status: ActivationStatus,
+    pub count: u64,
+    pub oldest_runnable: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// One namespace's line on the per-namespace gauges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamespaceSummary {
+    pub namespace: String,
+    pub counts: BTreeMap<ActivationStatus, u64>,
+    /// Seconds since its oldest first-attempt Pending row became runnable;
+    /// 0 when it has none.
+    pub max_lag: f64,
+}
+
+/// The label that stands for every namespace outside the top K.
+pub const OTHER_NAMESPACES: &str = "other";
+
+/// The `top` namespaces with the most unfinished rows (Pending, Delay,
+/// Claimed, Processing; ties by name), each with its counts and lag, and
+/// the rest folded into one [`OTHER_NAMESPACES`] line (its lag the largest
+/// among them), so the gauges' cardinality stays at `top` + 1 whatever
+/// the namespaces. A namespace literally named "other" joins that line.
+pub fn top_namespaces(
+    counts: &[NamespaceCount],
+    top: usize,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Vec<NamespaceSummary> {
+    let mut by_namespace: BTreeMap<&str, NamespaceSummary> = BTreeMap::new();
+    for count in counts {
+        let summary = by_namespace
+            .entry(count.namespace.as_str())
+            .or_insert_with(|| NamespaceSummary {
+                namespace: count.namespace.clone(),
+                counts: BTreeMap::new(),
+                max_lag: 0.0,
+            });
+        *summary.counts.entry(count.status).or_default() += count.count;
+        if let Some(at) = count.oldest_runnable {
+            let lag = (now - at).num_milliseconds().max(0) as f64 / 1000.0;
+            summary.max_lag = summary.max_lag.max(lag);
+        }
+    }
+    let unfinished = |summary: &NamespaceSummary| -> u64 {
+        [
+            ActivationStatus::Pending,
+            ActivationStatus::Delay,
+            ActivationStatus::Claimed,
+            ActivationStatus::Processing,
+        ]
+        .iter()
+        .filter_map(|status| summary.counts.get(status))
+        .sum()
+    };
+    let mut ranked: Vec<NamespaceSummary> = by_namespace.into_values().collect();
+    ranked.sort_by(|a, b| {
+        unfinished(b)
+            .cmp(&unfinished(a))
+            .then_with(|| a.namespace.cmp(&b.namespace))
+    });
+    let mut other = NamespaceSummary {
+        namespace: OTHER_NAMESPACES.to_owned(),
+        counts: BTreeMap::new(),
+        max_lag: 0.0,
+    };
+    let mut kept = Vec::new();
+    for summary in ranked {
+        if kept.len() < top && summary.namespace != OTHER_NAMESPACES {
+            kept.push(summary);
+        } else {
+            for (status, count) in summary.counts {
+                *other.counts.entry(status).or_default() += count;
+            }
+            other.max_lag = other.max_lag.max(summary.max_lag);
+        }
+    }
+    if !other.counts.is_empty() {
+        kept.push(other);
+    }
+    kept
+}
+
 /// Row counts per status; statuses with no rows count 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatusCounts(BTreeMap<ActivationStatus, u64>);
@@ -157,5 +244,52 @@ impl StatusCounts {
         .into_iter()
         .map(|status| self.get(status))
         .sum()
+    }
+}
+
+#[cfg(test)]
+mod namespace_tests {
+    use super::*;
+
+    fn count(
+        namespace: &str,
+        status: ActivationStatus,
+        n: u64,
+        lag_secs: Option<i64>,
+    ) -> NamespaceCount {
+        let now = chrono::DateTime::from_timestamp(1_000_000, 0).unwrap();
+        NamespaceCount {
+            namespace: namespace.to_owned(),
+            status,
+            count: n,
+            oldest_runnable: lag_secs.map(|secs| now - chrono::TimeDelta::seconds(secs)),
+        }
+    }
+
+    #[test]
+    fn the_top_namespaces_keep_their_lines_and_the_rest_fold_into_other() {
+        use ActivationStatus::*;
+        let now = chrono::DateTime::from_timestamp(1_000_000, 0).unwrap();
+        let counts = [
+            count("big", Pending, 1000, Some(30)),
+            count("big", Processing, 10, None),
+            count("mid", Pending, 50, Some(5)),
+            count("small", Pending, 3, Some(90)),
+            count("tiny", Claimed, 1, None),
+            count("done", Complete, 500, None),
+        ];
+        let top = top_namespaces(&counts, 2, now);
+        let names: Vec<&str> = top.iter().map(|s| s.namespace.as_str()).collect();
+        assert_eq!(names, ["big", "mid", "other"]);
+        assert_eq!(top[0].counts[&Pending], 1000);
+        assert_eq!(top[0].max_lag, 30.0);
+        // Completed rows do not rank a namespace; they still count in other.
+        assert_eq!(top[2].counts[&Pending], 3);
+        assert_eq!(top[2].counts[&Claimed], 1);
+        assert_eq!(top[2].counts[&Complete], 500);
+        assert_eq!(top[2].max_lag, 90.0, "the worst lag of the rest");
+        assert!(top_namespaces(&[], 5, now).is_empty());
+        let all = top_namespaces(&counts, 10, now);
+        assert_eq!(all.len(), 5, "no other line when every namespace fits");
     }
 }

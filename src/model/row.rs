@@ -34,6 +34,20 @@ impl ActivationStatus {
         ActivationStatus::Complete,
     ];
 
+    /// The status as a metric label value: lowercase, as Prometheus
+    /// convention has it.
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            ActivationStatus::Pending => "pending",
+            ActivationStatus::Delay => "delay",
+            ActivationStatus::Claimed => "claimed",
+            ActivationStatus::Processing => "processing",
+            ActivationStatus::Retry => "retry",
+            ActivationStatus::Failure => "failure",
+            ActivationStatus::Complete => "complete",
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ActivationStatus::Pending => "Pending",

@@ -25,8 +25,8 @@ pub use view::{GroupCount, Inspection, NearExpiry, StoreView};
 // and are imported from `crate::model` by everyone, the store included.
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, RetryEdit, StatusCounts,
-    StatusUpdate, StatusUpdateOutcome,
+    InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter, RetryEdit,
+    StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 use std::time::Duration;
@@ -89,6 +89,17 @@ impl StoreError {
             StoreError::Config(_) => "config",
         }
     }
+}
+
+/// A status as stored, or the row error naming it.
+pub(crate) fn parse_status(value: String) -> StoreResult<ActivationStatus> {
+    value
+        .parse::<ActivationStatus>()
+        .map_err(|value| StoreError::InvalidRow {
+            id: String::from("(count)"),
+            column: "status",
+            value,
+        })
 }
 
 /// Adds one `(status, count)` row of a `GROUP BY status` query to `counts`;
@@ -352,6 +363,10 @@ pub trait ActivationStore: Send + Sync + 'static {
 
     /// Row counts per status.
     async fn count_by_status(&self) -> StoreResult<StatusCounts>;
+
+    /// Rows per namespace and status (one scan of the table), with the
+    /// oldest first-attempt Pending row's runnable time per namespace.
+    async fn count_by_namespace(&self) -> StoreResult<Vec<NamespaceCount>>;
 
     /// In-flight rows (Pending, Delay, Claimed, Processing) per Kafka topic
     /// they were consumed from: each topic's consumer pauses on its own count.

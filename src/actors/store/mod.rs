@@ -31,7 +31,7 @@ use actix::prelude::*;
 use crate::metrics::Metrics;
 use crate::model::{
     BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
-    PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
@@ -214,6 +214,10 @@ store_messages! {
     /// Row counts per status.
     CountByStatus {} -> StatusCounts,
         "count_by_status", |store, _msg| store.count_by_status();
+
+    /// Rows per namespace and status (upkeep's gauges).
+    CountByNamespace {} -> Vec<NamespaceCount>,
+        "count_by_namespace", |store, _msg| store.count_by_namespace();
 
     /// In-flight rows per consumed topic (each consumer's backpressure).
     CountInflightByTopic {} -> Vec<(String, u64)>,

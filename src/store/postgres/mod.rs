@@ -27,8 +27,8 @@ use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome,
+    InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
+    StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -653,6 +653,21 @@ impl ActivationStore for PostgresStore {
             super::add_status_count(&mut counts, &status, count)?;
         }
         Ok(counts)
+    }
+
+    async fn count_by_namespace(&self) -> StoreResult<Vec<NamespaceCount>> {
+        self.query(&self.pool, "count_by_namespace", COUNT_BY_NAMESPACE, &[])
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(NamespaceCount {
+                    namespace: row.get(0),
+                    status: super::parse_status(row.get(1))?,
+                    count: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                    oldest_runnable: row.get(3),
+                })
+            })
+            .collect()
     }
 
     async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {

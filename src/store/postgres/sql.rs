@@ -324,6 +324,14 @@ pub(super) const REMOVE_COMPLETED: &str = "WITH picked AS MATERIALIZED (SELECT i
      DELETE FROM inflight_taskactivations t USING picked \
      WHERE t.id = picked.id AND t.status = 'Complete'";
 
+// Rows per namespace and status, with the oldest first-attempt Pending
+// row's runnable time: upkeep's per-namespace gauges, and the per-status
+// counts summed from them (one scan of the table for both).
+pub(super) const COUNT_BY_NAMESPACE: &str = "SELECT namespace, status, count(*)::int8, \
+       min(GREATEST(received_at, COALESCE(delay_until, received_at))) \
+         FILTER (WHERE status = 'Pending' AND processing_attempts = 0) \
+     FROM inflight_taskactivations GROUP BY namespace, status";
+
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 

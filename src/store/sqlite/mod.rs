@@ -63,8 +63,8 @@ use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, Killswitch, PauseRule, PublishKind, PullFilter, StatusCounts, StatusUpdate,
-    StatusUpdateOutcome,
+    InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
+    StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -778,6 +778,29 @@ impl ActivationStore for SqliteStore {
                 let status: String = row.get(0).map_err(|e| sql_error(OP, e))?;
                 let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
                 super::add_status_count(&mut counts, &status, count)?;
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
+    async fn count_by_namespace(&self) -> StoreResult<Vec<NamespaceCount>> {
+        const OP: &str = "count_by_namespace";
+        self.read(OP, |connection| {
+            let failed = |e| sql_error(OP, e);
+            let mut statement = connection
+                .prepare_cached(COUNT_BY_NAMESPACE)
+                .map_err(failed)?;
+            let mut rows = statement.query([]).map_err(failed)?;
+            let mut counts = Vec::new();
+            while let Some(row) = rows.next().map_err(failed)? {
+                let oldest: Option<i64> = row.get(3).map_err(failed)?;
+                counts.push(NamespaceCount {
+                    namespace: row.get(0).map_err(failed)?,
+                    status: super::parse_status(row.get(1).map_err(failed)?)?,
+                    count: u64::try_from(row.get::<_, i64>(2).map_err(failed)?).unwrap_or(0),
+                    oldest_runnable: oldest.and_then(DateTime::from_timestamp_micros),
+                });
             }
             Ok(counts)
         })

@@ -243,6 +243,13 @@ pub(super) const MARK_PUBLISHED: &str = "UPDATE inflight_taskactivations SET sta
 pub(super) const REMOVE_COMPLETED: &str = "DELETE FROM inflight_taskactivations \
      WHERE id IN (SELECT id FROM inflight_taskactivations WHERE status = 'Complete' LIMIT ?1)";
 
+// Rows per namespace and status, with the oldest first-attempt Pending
+// row's runnable time (µs).
+pub(super) const COUNT_BY_NAMESPACE: &str = "SELECT namespace, status, count(*), \
+       min(CASE WHEN status = 'Pending' AND processing_attempts = 0 \
+                THEN max(received_at, coalesce(delay_until, received_at)) END) \
+     FROM inflight_taskactivations GROUP BY namespace, status";
+
 pub(super) const COUNT_BY_STATUS: &str =
     "SELECT status, count(*) FROM inflight_taskactivations GROUP BY status";
 

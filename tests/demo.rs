@@ -76,3 +76,22 @@ fn raw_demo_feeds_tasks_from_a_raw_topic() {
         "{log}"
     );
 }
+
+/// `demo --rules`: a killswitched task name is dropped and never run; a
+/// paused namespace is held (the ledger fails any delivery while the pause
+/// is in force) and delivered once the demo lifts the pause.
+#[test]
+fn rules_demo_shows_a_killswitch_and_a_pause() {
+    let output = demo(&["--tasks", "500", "--workers", "2", "--rules"]);
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{log}");
+    assert!(
+        log.contains("| killed (killswitched, never run) | 5 | 5 | 0 |"),
+        "{log}"
+    );
+    assert!(
+        log.contains("| paused (held while paused, then completed) | 5 | 5 | 0 |"),
+        "{log}"
+    );
+    assert!(log.contains("resumed namespace demo-paused"), "{log}");
+}

@@ -51,6 +51,12 @@ pub struct DemoArgs {
     /// which the broker turns into a `demo/raw/echo` task.
     #[arg(long)]
     raw: bool,
+    /// Also show the runtime rules (TASKBROKER_RUNTIME_CONFIG): one in a
+    /// hundred tasks has a killswitched task name and is dropped; one in a
+    /// hundred is in a namespace paused until two seconds after the last
+    /// task is produced, then delivered.
+    #[arg(long)]
+    rules: bool,
 }
 
 pub fn demo(args: DemoArgs) -> ExitCode {
@@ -71,6 +77,7 @@ pub fn demo(args: DemoArgs) -> ExitCode {
         rate: args.rate,
         hold: args.hold,
         raw: args.raw,
+        rules: args.rules,
         timeout: Duration::from_secs(
             args.timeout_sec
                 .unwrap_or(60 + (args.tasks as u64).div_ceil(500)),

@@ -21,7 +21,10 @@ use rdkafka::message::{Header, Message as _, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
-use super::scenario::{ID_HEADER, KIND_HEADER, Kind, Ledger, TaskRecord, report_for, wire_status};
+use super::scenario::{
+    ID_HEADER, KILLED_TASKNAME, KIND_HEADER, Kind, Ledger, PAUSED_NAMESPACE, TaskRecord,
+    report_for, wire_status,
+};
 use super::worker::{DemoWorker, Mode};
 use taskbroker::broker::Broker;
 use taskbroker::config::{Config, DeliveryMode};
@@ -46,6 +49,30 @@ pub struct DemoOptions {
     pub timeout: Duration,
     /// Also feed the raw topic [`RAW_TOPIC`].
     pub raw: bool,
+    /// Also show the runtime rules (a killswitch and a pause).
+    pub rules: bool,
+}
+
+/// The demo's runtime file: the killswitch always, the pause while `paused`.
+fn rules_file(paused: bool) -> String {
+    let mut text = format!("killswitches:\n  - taskname: {KILLED_TASKNAME}\n");
+    if paused {
+        text.push_str(&format!("paused:\n  - namespace: {PAUSED_NAMESPACE}\n"));
+    }
+    text
+}
+
+/// Replaces the runtime file as a ConfigMap update does (write, rename).
+fn write_rules(path: &std::path::Path, paused: bool) -> Result<(), String> {
+    let next = path.with_extension("next");
+    std::fs::write(&next, rules_file(paused))
+        .and_then(|()| std::fs::rename(&next, path))
+        .map_err(|err| {
+            format!(
+                "cannot write the demo's runtime file {}: {err}",
+                path.display()
+            )
+        })
 }
 
 /// The raw topic of `taskbroker demo --raw`, and the task its records become.
@@ -74,6 +101,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
         });
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let scratch = std::env::temp_dir().join(format!("taskbroker-demo-{run_id}.sqlite"));
+    let rules_path = std::env::temp_dir().join(format!("taskbroker-demo-{run_id}-rules.yaml"));
 
     let ledger = Arc::new(Ledger::default());
     // Workers first: the broker's configuration names them.
@@ -135,6 +163,15 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
         overrides.insert(
             "TASKBROKER_KAFKA_RAW_TOPICS",
             format!("{RAW_TOPIC}={RAW_TASK}"),
+        );
+    }
+    if options.rules {
+        // Paused before the broker starts, so no paused task can slip out.
+        ledger.set_paused(true);
+        write_rules(&rules_path, true)?;
+        overrides.insert(
+            "TASKBROKER_RUNTIME_CONFIG",
+            rules_path.display().to_string(),
         );
     }
     let defaults: HashMap<&str, &str> = HashMap::from([
@@ -201,6 +238,14 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
              arrives as a plain payload and becomes a {RAW_TASK} task"
         );
     }
+    if options.rules {
+        println!(
+            "  runtime rules:         {}: 1% of tasks are {KILLED_TASKNAME} (killswitched); \
+             1% are in namespace {PAUSED_NAMESPACE}, paused until 2 s after the last task \
+             is produced",
+            rules_path.display()
+        );
+    }
     println!();
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -241,6 +286,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
             tasks: options.tasks,
             rate: options.rate,
             raw: options.raw,
+            rules: options.rules,
         },
         Arc::clone(&ledger),
         Arc::clone(&produced),
@@ -249,9 +295,23 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
     let tty = std::io::stderr().is_terminal();
     let mut last_line = Instant::now() - Duration::from_secs(10);
     let deadline = started + options.timeout;
+    let mut paused = options.rules;
+    let mut produced_by: Option<Instant> = None;
     let finished = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let done_producing = produced.load(Ordering::Relaxed) as usize >= options.tasks;
+        if done_producing {
+            let produced_by = *produced_by.get_or_insert_with(Instant::now);
+            if paused && produced_by.elapsed() >= Duration::from_secs(2) {
+                // The ledger first: from now on a paused task may go out.
+                ledger.set_paused(false);
+                write_rules(&rules_path, false)?;
+                paused = false;
+                if !tty {
+                    eprintln!("resumed namespace {PAUSED_NAMESPACE}");
+                }
+            }
+        }
         let remaining = store
             .count_by_status()
             .await
@@ -321,6 +381,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoOutcome, String> {
             let _ = std::fs::remove_file(file);
         }
     }
+    if options.rules {
+        let _ = std::fs::remove_file(&rules_path);
+    }
     // The broker's Kafka clients are dropped by their arbiters after
     // `stop()` returns; the cluster must outlive them, and the process ends
     // right after the demo, so it is left to the exit.
@@ -358,6 +421,9 @@ struct Plan {
     tasks: usize,
     rate: Option<u64>,
     raw: bool,
+    /// One in a hundred tasks that should complete is killswitched instead,
+    /// one in a hundred paused.
+    rules: bool,
 }
 
 async fn produce(
@@ -368,7 +434,12 @@ async fn produce(
     ledger: Arc<Ledger>,
     produced: Arc<AtomicU64>,
 ) -> Result<(), String> {
-    let Plan { tasks, rate, raw } = plan;
+    let Plan {
+        tasks,
+        rate,
+        raw,
+        rules,
+    } = plan;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .set("message.timeout.ms", "30000")
@@ -382,7 +453,11 @@ async fn produce(
             let due = started + Duration::from_secs_f64(index as f64 / rate as f64);
             tokio::time::sleep_until(due.into()).await;
         }
-        let kind = Kind::of_index(index);
+        let kind = match Kind::of_index(index) {
+            Kind::Complete if rules && index % 100 == 20 => Kind::Killed,
+            Kind::Complete if rules && index % 100 == 21 => Kind::Paused,
+            kind => kind,
+        };
         let id = format!("demo-{run_id}-{index}");
         // --raw: a plain payload whose headers the broker copies into the
         // task it makes, so the workers and the ledger know it as this one.
@@ -542,6 +617,9 @@ fn summarize(
     let mut failures = Vec::new();
     for kind in Kind::ALL {
         let of_kind: Vec<&TaskRecord> = records.values().filter(|r| r.kind == kind).collect();
+        if of_kind.is_empty() && matches!(kind, Kind::Killed | Kind::Paused) {
+            continue; // only with --rules
+        }
         let mut reached = 0;
         for record in &of_kind {
             match record.check(settled) {

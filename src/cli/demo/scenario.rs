@@ -27,6 +27,11 @@ pub const RETRIES_BEFORE_SUCCESS: u32 = 2;
 pub const DELAY_SECS: u64 = 2;
 /// `Deadline` tasks may run this long; the worker never reports them.
 pub const DEADLINE_SECS: u64 = 1;
+/// The namespace of `Paused` tasks (`demo --rules` pauses it), and the
+/// task name of `Killed` ones (`demo --rules` killswitches it).
+pub const PAUSED_NAMESPACE: &str = "demo-paused";
+pub const KILLED_TASKNAME: &str = "demo.killed";
+
 /// `Expire` tasks expire after this long, inside their (longer) delay.
 pub const EXPIRES_SECS: u64 = 1;
 
@@ -46,16 +51,24 @@ pub enum Kind {
     Delayed,
     /// Expires while still delayed; must never be pushed.
     Expire,
+    /// `demo --rules`: its task name is killswitched; dropped at ingest,
+    /// never run.
+    Killed,
+    /// `demo --rules`: its namespace is paused while the demo produces;
+    /// must not be delivered before the pause is lifted, then completes.
+    Paused,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Complete,
         Kind::Retry,
         Kind::Fail,
         Kind::Deadline,
         Kind::Delayed,
         Kind::Expire,
+        Kind::Killed,
+        Kind::Paused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -66,6 +79,8 @@ impl Kind {
             Kind::Deadline => "deadline",
             Kind::Delayed => "delayed",
             Kind::Expire => "expire",
+            Kind::Killed => "killed",
+            Kind::Paused => "paused",
         }
     }
 
@@ -82,6 +97,8 @@ impl Kind {
             Kind::Deadline => "failed at its deadline, not re-run",
             Kind::Delayed => "completed after its delay",
             Kind::Expire => "expired, never run",
+            Kind::Killed => "killswitched, never run",
+            Kind::Paused => "held while paused, then completed",
         }
     }
 
@@ -141,6 +158,8 @@ impl Kind {
                 activation.expires = Some(EXPIRES_SECS);
                 activation.delay = Some(EXPIRES_SECS + 3);
             }
+            Kind::Killed => {}
+            Kind::Paused => activation.namespace = PAUSED_NAMESPACE.to_owned(),
         }
         activation
     }
@@ -189,6 +208,8 @@ pub struct TaskRecord {
     pub retries: u32,
     pub failures: u32,
     pub dead_lettered: bool,
+    /// Delivered while its namespace was paused (a `Paused` task must not be).
+    pub delivered_while_paused: bool,
 }
 
 impl TaskRecord {
@@ -203,6 +224,7 @@ impl TaskRecord {
             retries: 0,
             failures: 0,
             dead_lettered: false,
+            delivered_while_paused: false,
         }
     }
 
@@ -228,7 +250,8 @@ impl TaskRecord {
                 settled && self.deliveries >= 1 && self.completions == 0 && !self.dead_lettered
             }
             Kind::Delayed => self.completions >= 1 && delay_kept(DELAY_SECS),
-            Kind::Expire => settled && self.deliveries == 0,
+            Kind::Expire | Kind::Killed => settled && self.deliveries == 0,
+            Kind::Paused => self.completions >= 1 && !self.delivered_while_paused,
         };
         if ok {
             Ok(())
@@ -253,6 +276,8 @@ impl TaskRecord {
 #[derive(Debug, Default)]
 pub struct Ledger {
     tasks: Mutex<HashMap<String, TaskRecord>>,
+    /// Whether the demo's pause of [`PAUSED_NAMESPACE`] is in force.
+    paused: std::sync::atomic::AtomicBool,
 }
 
 impl Ledger {
@@ -278,11 +303,21 @@ impl Ledger {
 
     pub fn delivered(&self, activation: &TaskActivation) {
         if let Some((id, kind)) = Self::key(activation) {
+            let paused = self.paused.load(std::sync::atomic::Ordering::SeqCst);
             self.with(&id, kind, |record| {
                 record.deliveries += 1;
                 record.first_delivery.get_or_insert_with(Instant::now);
+                record.delivered_while_paused |= paused;
             });
         }
+    }
+
+    /// The demo paused (true) or resumed (false) [`PAUSED_NAMESPACE`]; a
+    /// resume counts only once the broker has the new rules, which the
+    /// caller waits for before calling this.
+    pub fn set_paused(&self, paused: bool) {
+        self.paused
+            .store(paused, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The broker acknowledged a report.

@@ -317,6 +317,7 @@ impl Broker {
                 let (file, rules) = RuntimeFile::open(
                     path,
                     &format!("{}-long", config.kafka_topic),
+                    config.delivery_mode,
                     Arc::clone(&metrics),
                 )?;
                 (Some(file), rules)

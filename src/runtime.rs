@@ -11,6 +11,7 @@
 //!     namespace: invoices
 //! demoted_namespaces: [reports]   # forwarded to the demoted topic
 //! demoted_topic: tasks-long       # default: `<KAFKA_TOPIC>-long`
+//! concurrency_limits: {exports: 5} # at most 5 in flight, all brokers
 //! ```
 //!
 //! Every key is optional; an empty file is no rules. A file is validated
@@ -33,6 +34,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use crate::config::DeliveryMode;
 use crate::metrics::Metrics;
 use crate::model::{Glob, Killswitch, PauseRule, TaskRules};
 
@@ -88,6 +90,7 @@ impl RuntimeRules {
 pub struct RuntimeFile {
     path: PathBuf,
     default_demoted_topic: String,
+    delivery: DeliveryMode,
     rules: watch::Sender<TaskRules>,
     /// The bytes last read, good or bad (`None`: the last read failed), so
     /// each change is handled once.
@@ -102,14 +105,18 @@ impl RuntimeFile {
     pub fn open(
         path: &Path,
         default_demoted_topic: &str,
+        delivery: DeliveryMode,
         metrics: Arc<Metrics>,
     ) -> Result<(RuntimeFile, RuntimeRules), String> {
         let bytes = read(path)?;
-        let rules = parse(&bytes, default_demoted_topic).map_err(|err| describe(path, &err))?;
+        let rules = parse(&bytes, default_demoted_topic)
+            .and_then(|rules| for_delivery(rules, delivery))
+            .map_err(|err| describe(path, &err))?;
         let (sender, receiver) = watch::channel(rules.clone());
         let file = RuntimeFile {
             path: path.to_owned(),
             default_demoted_topic: default_demoted_topic.to_owned(),
+            delivery,
             rules: sender,
             seen: Some(bytes),
             metrics,
@@ -149,7 +156,8 @@ impl RuntimeFile {
         if self.seen.as_ref() == Some(&bytes) {
             return;
         }
-        let parsed = parse(&bytes, &self.default_demoted_topic);
+        let parsed = parse(&bytes, &self.default_demoted_topic)
+            .and_then(|rules| for_delivery(rules, self.delivery));
         self.seen = Some(bytes);
         match parsed {
             Ok(rules) => {
@@ -189,6 +197,18 @@ impl RuntimeFile {
     }
 }
 
+/// Refuses what the delivery mode cannot apply: concurrency limits are
+/// enforced by push claims only (a pull hands a task straight to a worker).
+fn for_delivery(rules: TaskRules, delivery: DeliveryMode) -> Result<TaskRules, String> {
+    if delivery == DeliveryMode::Pull && !rules.concurrency_limits.is_empty() {
+        return Err(
+            "concurrency_limits apply to push delivery only (TASKBROKER_DELIVERY_MODE=push)"
+                .to_owned(),
+        );
+    }
+    Ok(rules)
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|err| {
         format!(
@@ -217,10 +237,10 @@ struct FileRules {
     demoted_namespaces: Vec<String>,
     #[serde(default)]
     demoted_topic: Option<String>,
-    // Parsed so that a file written for a broker that applies them gets a
-    // clear refusal instead of "unknown field".
     #[serde(default)]
-    concurrency_limits: Option<BTreeMap<String, serde::de::IgnoredAny>>,
+    concurrency_limits: BTreeMap<String, u32>,
+    // Parsed so that a file written for a broker that applies it gets a
+    // clear refusal instead of "unknown field".
     #[serde(default)]
     weights: Option<BTreeMap<String, serde::de::IgnoredAny>>,
 }
@@ -245,10 +265,7 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
     // An empty document (or only comments) is no rules.
     let file: Option<FileRules> = serde_norway::from_str(text).map_err(|err| err.to_string())?;
     let file = file.unwrap_or_default();
-    for (key, present) in [
-        ("concurrency_limits", file.concurrency_limits.is_some()),
-        ("weights", file.weights.is_some()),
-    ] {
+    for (key, present) in [("weights", file.weights.is_some())] {
         if present {
             return Err(format!(
                 "`{key}` is not supported by this version of taskbroker; remove it"
@@ -307,21 +324,43 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
         Some(topic) => topic,
         None => default_demoted_topic.to_owned(),
     };
-    // Claims leave out the paused tasks and every demoted namespace: those
-    // rows wait for upkeep to forward them.
+    let concurrency_limits = file
+        .concurrency_limits
+        .into_iter()
+        .map(|(namespace, limit)| {
+            let at = format!("concurrency_limits.{namespace}");
+            let namespace =
+                name("concurrency_limits", "namespace", Some(namespace))?.unwrap_or_default();
+            if limit == 0 {
+                return Err(format!(
+                    "{at} is 0; to hold a namespace, pause it (`paused`)"
+                ));
+            }
+            Ok((namespace, limit))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    // The ordinary claims leave out the paused tasks, every demoted
+    // namespace (upkeep forwards those rows) and every limited one (claimed
+    // by counted claims of their own).
     let unclaimable: Vec<PauseRule> = paused
         .iter()
         .cloned()
-        .chain(demoted_namespaces.iter().map(|namespace| PauseRule {
-            application: None,
-            namespace: Some(namespace.clone()),
-        }))
+        .chain(
+            demoted_namespaces
+                .iter()
+                .chain(concurrency_limits.iter().map(|(namespace, _)| namespace))
+                .map(|namespace| PauseRule {
+                    application: None,
+                    namespace: Some(namespace.clone()),
+                }),
+        )
         .collect();
     Ok(TaskRules {
         killswitches: killswitches.into(),
         paused: paused.into(),
         demoted_namespaces: demoted_namespaces.into(),
         demoted_topic,
+        concurrency_limits: concurrency_limits.into(),
         unclaimable: unclaimable.into(),
     })
 }
@@ -399,9 +438,11 @@ demoted_namespaces: [slow]
         assert!(refused("paused: [{app: x}]").contains("unknown field `app`"));
         assert!(refused("paused: yes").contains("paused"));
         assert!(refused("weights: {a: 2}").contains("`weights` is not supported"));
-        assert!(
-            refused("concurrency_limits: {a: 2}").contains("`concurrency_limits` is not supported")
-        );
+        assert!(refused("concurrency_limits: {a: 0}").contains("concurrency_limits.a is 0"));
+        assert!(refused("concurrency_limits: {a: -1}").contains("concurrency_limits"));
+        let limited = parse(b"concurrency_limits: {reports: 3}", "t").unwrap();
+        assert_eq!(&*limited.concurrency_limits, [("reports".to_owned(), 3)]);
+        assert_eq!(limited.unclaimable.len(), 1);
         assert!(parse(&[0xff, 0xfe], "t").unwrap_err().contains("not UTF-8"));
         assert!(refused("demoted_topic: 'bad topic'").contains("not a valid Kafka topic"));
         assert!(

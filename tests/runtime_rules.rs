@@ -373,6 +373,117 @@ async fn a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving(b
     broker.stop().await;
 }
 
+/// `concurrency_limits: {capped: 3}` with two brokers sharing PostgreSQL
+/// and consuming one topic: however the claims interleave, the table never
+/// holds more than 3 `capped` tasks Claimed or Processing, the limit is
+/// used, and every task of both namespaces completes.
+#[actix_rt::test]
+async fn a_concurrency_limit_holds_across_two_brokers_sharing_postgres() {
+    const PER_NAMESPACE: usize = 40;
+    const LIMIT: u64 = 3;
+    let db = TestStore::new(Backend::Postgres).await;
+    let store = db.store().await;
+    let kafka = MockKafka::start();
+    kafka.create_topic("tasks", 2);
+    let runtime = RuntimeDir::new();
+    runtime.write(&format!("concurrency_limits:\n  capped: {LIMIT}\n"));
+    let worker = FakeWorker::start(Mode::accept()).await;
+    let brokers: Vec<Broker> = (0..2)
+        .map(|_| {
+            Broker::start(
+                &config(
+                    &db,
+                    &kafka,
+                    &runtime.path(),
+                    &[("WORKER_ENDPOINTS", format!("*={}", worker.url()))],
+                ),
+                store.clone(),
+                Arc::new(Metrics::new()),
+                "test-host",
+            )
+            .expect("broker starts")
+        })
+        .collect();
+    let (capped, free) = (
+        ids("capped", 0..PER_NAMESPACE),
+        ids("free", 0..PER_NAMESPACE),
+    );
+    kafka
+        .produce("tasks", &encoded_tasks(&capped, "capped", 60))
+        .await;
+    kafka
+        .produce("tasks", &encoded_tasks(&free, "free", 60))
+        .await;
+
+    let mut clients = Vec::new();
+    for broker in &brokers {
+        clients.push(
+            ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+                .await
+                .unwrap(),
+        );
+    }
+    let in_flight = |counts: &[taskbroker::model::NamespaceCount]| -> u64 {
+        counts
+            .iter()
+            .filter(|count| count.namespace == "capped")
+            .filter(|count| {
+                matches!(
+                    count.status,
+                    taskbroker::model::ActivationStatus::Claimed
+                        | taskbroker::model::ActivationStatus::Processing
+                )
+            })
+            .map(|count| count.count)
+            .sum()
+    };
+    let mut reported = BTreeSet::new();
+    let mut most = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while reported.len() < 2 * PER_NAMESPACE {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "reported {} of {}",
+            reported.len(),
+            2 * PER_NAMESPACE
+        );
+        let now_in_flight = in_flight(&store.count_by_namespace().await.unwrap());
+        assert!(
+            now_in_flight <= LIMIT,
+            "{now_in_flight} capped tasks in flight, limit {LIMIT}"
+        );
+        most = most.max(now_in_flight);
+        // Report what the worker accepted, alternating brokers.
+        let accepted: Vec<String> = worker
+            .seen
+            .accepted()
+            .into_iter()
+            .filter(|id| !reported.contains(id))
+            .collect();
+        for (index, id) in accepted.into_iter().enumerate() {
+            let client = &mut clients[index % 2];
+            if client
+                .set_task_status(taskbroker::proto::SetTaskStatusRequest {
+                    id: id.clone(),
+                    status: taskbroker::proto::TaskActivationStatus::Complete as i32,
+                    ..Default::default()
+                })
+                .await
+                .is_ok()
+            {
+                reported.insert(id);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(most, LIMIT, "the limit was reached, so it was what held");
+    let all: BTreeSet<String> = capped.iter().chain(&free).cloned().collect();
+    assert_eq!(reported, all);
+    for broker in brokers {
+        broker.stop().await;
+    }
+}
+
 /// A bad version is refused, counted once and leaves the rules as they
 /// were; a good one replaces them; a file that disappears is refused once.
 #[test]
@@ -380,8 +491,13 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
     let runtime = RuntimeDir::new();
     runtime.write("killswitches:\n  - taskname: poison\n");
     let metrics = Arc::new(Metrics::new());
-    let (mut file, rules) =
-        RuntimeFile::open(&runtime.path(), "tasks-long", Arc::clone(&metrics)).unwrap();
+    let (mut file, rules) = RuntimeFile::open(
+        &runtime.path(),
+        "tasks-long",
+        taskbroker::config::DeliveryMode::Push,
+        Arc::clone(&metrics),
+    )
+    .unwrap();
     assert!(rules.killed("any", "poison"));
     assert!(metrics.runtime_config_loaded.get() > 0);
 
@@ -421,16 +537,38 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
 fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
     let runtime = RuntimeDir::new();
     runtime.write("paused:\n  - aplication: billing\n");
-    let err = RuntimeFile::open(&runtime.path(), "tasks-long", Arc::new(Metrics::new()))
-        .err()
-        .expect("refused");
+    let err = RuntimeFile::open(
+        &runtime.path(),
+        "tasks-long",
+        taskbroker::config::DeliveryMode::Push,
+        Arc::new(Metrics::new()),
+    )
+    .err()
+    .expect("refused");
     assert!(err.starts_with("TASKBROKER_RUNTIME_CONFIG: "), "{err}");
     assert!(err.contains("runtime.yaml"), "{err}");
     assert!(err.contains("unknown field `aplication`"), "{err}");
 
+    // Concurrency limits are enforced by push claims only.
+    runtime.write("concurrency_limits: {reports: 2}\n");
+    let err = RuntimeFile::open(
+        &runtime.path(),
+        "tasks-long",
+        taskbroker::config::DeliveryMode::Pull,
+        Arc::new(Metrics::new()),
+    )
+    .err()
+    .expect("refused in pull mode");
+    assert!(err.contains("push delivery only"), "{err}");
+
     let missing = runtime.dir.join("absent.yaml");
-    let err = RuntimeFile::open(&missing, "tasks-long", Arc::new(Metrics::new()))
-        .err()
-        .expect("refused");
+    let err = RuntimeFile::open(
+        &missing,
+        "tasks-long",
+        taskbroker::config::DeliveryMode::Push,
+        Arc::new(Metrics::new()),
+    )
+    .err()
+    .expect("refused");
     assert!(err.contains("cannot read"), "{err}");
 }

@@ -106,6 +106,7 @@ conformance!(
     killswitched_rows_are_removed_except_processing,
     killswitch_patterns_take_sql_wildcards_literally,
     demoted_rows_are_taken_under_a_lease_and_removed_once_forwarded,
+    limited_claims_never_exceed_the_limit_even_when_claimers_race,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1708,5 +1709,72 @@ async fn demoted_rows_are_taken_under_a_lease_and_removed_once_forwarded(store: 
             .await
             .unwrap(),
         0
+    );
+}
+
+async fn limited_claims_never_exceed_the_limit_even_when_claimers_race(store: Store) {
+    let rows: Vec<InflightActivation> = (0..20)
+        .map(|i| row_of(&format!("capped-{i}"), "app", "capped", "t"))
+        .chain((0..5).map(|i| row_of(&format!("free-{i}"), "app", "free", "t")))
+        .collect();
+    insert(store.as_ref(), &rows).await;
+    // Eight claimers race, each asking for up to 10 until it gets none.
+    let claimed = take_concurrently(&store, 8, |store| async move {
+        ids(&store
+            .claim_limited("capped", 3, 10, LEASE)
+            .await
+            .expect("limited claim"))
+    })
+    .await;
+    assert_eq!(claimed.len(), 3, "{claimed:?}");
+    assert!(claimed.iter().all(|id| id.starts_with("capped-")));
+    // Oldest first.
+    let mut sorted = claimed.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["capped-0", "capped-1", "capped-2"]);
+
+    // Processing rows count too; a released claim makes room for one.
+    let held: Vec<ClaimToken> = futures::future::join_all(claimed.iter().map(|id| {
+        let store = Arc::clone(&store);
+        async move { store.get(id).await.unwrap().unwrap().claim_token().unwrap() }
+    }))
+    .await;
+    store
+        .mark_processing(&held[..1], Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .claim_limited("capped", 3, 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(store.release_claims(&held[1..2]).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .claim_limited("capped", 3, 10, LEASE)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // A higher limit makes more room; other namespaces are untouched.
+    assert_eq!(
+        store
+            .claim_limited("capped", 5, 10, LEASE)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(
+        store
+            .claim_limited("free", 100, 2, LEASE)
+            .await
+            .unwrap()
+            .len(),
+        2,
+        "bounded by the batch"
     );
 }

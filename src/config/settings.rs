@@ -427,7 +427,7 @@ settings! {
         allowed: Allowed::Text,
         secret: false,
         render: path,
-        description: "YAML file of operators' rules applied while the broker runs (killswitches, paused applications and namespaces, demoted namespaces; see docs/operations.md, \"Runtime rules\"), re-read within a second of a change; unset = no rules. A file that cannot be read or is invalid stops startup; later, a bad version is logged and counted and the last good one stays in force.",
+        description: "YAML file of operators' rules applied while the broker runs (killswitches, paused applications and namespaces, demoted namespaces, concurrency limits; see docs/operations.md, \"Runtime rules\"), re-read within a second of a change; unset = no rules. A file that cannot be read or is invalid stops startup; later, a bad version is logged and counted and the last good one stays in force.",
     },
     shutdown_timeout: Duration = SHUTDOWN_TIMEOUT_MS {
         default: "30000",

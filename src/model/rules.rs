@@ -147,8 +147,12 @@ pub struct TaskRules {
     /// broker pool dedicated to slow work.
     pub demoted_namespaces: Arc<[String]>,
     pub demoted_topic: String,
-    /// What claims leave out: the paused rules, and every demoted namespace
-    /// (its stored rows wait for upkeep to forward them, never pushed here).
+    /// Namespaces with at most this many tasks in flight (Claimed or
+    /// Processing) across every broker sharing the store.
+    pub concurrency_limits: Arc<[(String, u32)]>,
+    /// What the ordinary claims leave out: the paused rules, every demoted
+    /// namespace (its stored rows wait for upkeep to forward them) and
+    /// every limited namespace (claimed by their own, counted claims).
     pub unclaimable: Arc<[PauseRule]>,
 }
 
@@ -165,6 +169,24 @@ impl TaskRules {
         self.paused
             .iter()
             .any(|rule| rule.matches(application, namespace))
+    }
+
+    /// The limited namespaces a claim may take from: those no pause rule
+    /// could match (a limited claim takes every application's rows of its
+    /// namespace, so a pause naming only an application holds limited
+    /// namespaces entirely, erring on the side of the pause) and not
+    /// demoted.
+    pub fn limited_claims(&self) -> impl Iterator<Item = (&str, u32)> + '_ {
+        self.concurrency_limits
+            .iter()
+            .filter(|(namespace, _)| {
+                !self.paused.iter().any(|rule| {
+                    rule.namespace
+                        .as_deref()
+                        .is_none_or(|paused| paused == namespace)
+                }) && !self.demoted_namespaces.contains(namespace)
+            })
+            .map(|(namespace, limit)| (namespace.as_str(), *limit))
     }
 
     /// Whether a task of `namespace` consumed from `topic` is forwarded to

@@ -232,6 +232,20 @@ pub trait ActivationStore: Send + Sync + 'static {
         paused: &[PauseRule],
     ) -> StoreResult<Vec<ClaimedActivation>>;
 
+    /// Push mode, a namespace under a concurrency limit: claims up to
+    /// `limit` of its Pending, unexpired rows (every bucket, oldest first),
+    /// but never so many that its Claimed and Processing rows exceed
+    /// `max_in_flight`. Counting and claiming are one atomic step across
+    /// every broker sharing the store (PostgreSQL: an advisory lock on the
+    /// namespace for the transaction; SQLite: its single writer).
+    async fn claim_limited(
+        &self,
+        namespace: &str,
+        max_in_flight: u32,
+        limit: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>>;
+
     /// Pull mode: moves the oldest Pending, unexpired row matching `filter`
     /// straight to Processing with its deadline. A namespace without an
     /// application matches nothing (the protocol requires both).

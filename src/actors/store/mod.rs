@@ -31,10 +31,54 @@ use actix::prelude::*;
 use crate::metrics::Metrics;
 use crate::model::{
     BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
-    NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate,
+    NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate, TaskRules,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
+
+/// A push claim under the operators' rules: each namespace under a
+/// concurrency limit first, up to the room its limit leaves (counted
+/// claims, every bucket), then the ordinary claim of the bucket range for
+/// the rest of the batch, leaving out paused, demoted and limited
+/// namespaces. Rows already claimed are answered even when a later step
+/// fails, so no claim is stranded.
+async fn claim_batch(
+    store: &dyn ActivationStore,
+    msg: ClaimBatch,
+    rules: TaskRules,
+) -> StoreResult<Vec<ClaimedActivation>> {
+    let mut claimed = Vec::new();
+    // `Some`: a limited namespace's counted claim; `None`: the ordinary one.
+    let steps: Vec<Option<(&str, u32)>> = rules
+        .limited_claims()
+        .map(Some)
+        .chain(std::iter::once(None))
+        .collect();
+    for limited in steps {
+        let room = msg.limit.saturating_sub(claimed.len());
+        if room == 0 {
+            break;
+        }
+        let step = match limited {
+            Some((namespace, max)) => store.claim_limited(namespace, max, room, msg.lease).await,
+            None => {
+                store
+                    .claim_for_push_except(msg.buckets, room, msg.lease, &rules.unclaimable)
+                    .await
+            }
+        };
+        match step {
+            Ok(rows) => claimed.extend(rows),
+            Err(err) if claimed.is_empty() => return Err(err),
+            Err(err) => {
+                tracing::warn!(error = %err, claimed = claimed.len(),
+                    "claim step failed; handing out what was claimed");
+                break;
+            }
+        }
+    }
+    Ok(claimed)
+}
 
 /// Messages queue here only while actix hands them to their futures, so a
 /// modest bound is enough; senders using `send` wait when it is full.
@@ -138,10 +182,10 @@ store_messages! {
     InsertBatch { rows: Arc<Vec<InflightActivation>> } -> u64,
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
-    /// Claim Pending rows of a bucket range for push delivery, leaving out
-    /// paused applications and namespaces and demoted namespaces.
+    /// Claim Pending rows for push delivery under the operators' rules (see
+    /// [`claim_batch`]).
     ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
-        "claim_for_push", |store, msg, rules| store.claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.unclaimable);
+        "claim_for_push", |store, msg, rules| claim_batch(store, msg, rules);
 
     /// Pull mode: hand the oldest matching Pending row to a worker, leaving
     /// out paused applications and namespaces and demoted namespaces.

@@ -327,6 +327,45 @@ impl ActivationStore for PostgresStore {
         claimed_rows(activations_from_rows(&rows)?)
     }
 
+    async fn claim_limited(
+        &self,
+        namespace: &str,
+        max_in_flight: u32,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>> {
+        const OP: &str = "claim_limited";
+        if limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let failed = |err| query_error(OP, err);
+        let mut client = self.client(&self.pool, OP).await?;
+        let transaction = client.transaction().await.map_err(failed)?;
+        transaction
+            .execute(LOCK_NAMESPACE_LIMIT, &[&namespace])
+            .await
+            .map_err(failed)?;
+        let in_flight: i64 = transaction
+            .query_one(COUNT_NAMESPACE_IN_FLIGHT, &[&namespace])
+            .await
+            .map_err(failed)?
+            .get(0);
+        let room = i64::from(max_in_flight).saturating_sub(in_flight);
+        if room <= 0 {
+            transaction.commit().await.map_err(failed)?;
+            return Ok(Vec::new());
+        }
+        let rows = transaction
+            .query(
+                CLAIM_LIMITED,
+                &[&namespace, &room.min(limit(limit_rows)), &micros(lease)],
+            )
+            .await
+            .map_err(failed)?;
+        transaction.commit().await.map_err(failed)?;
+        claimed_rows(activations_from_rows(&rows)?)
+    }
+
     async fn claim_for_pull_except(
         &self,
         filter: &PullFilter,

@@ -89,6 +89,25 @@ macro_rules! claim_for_push {
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
 pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$5", "$6"));
 
+// Concurrency limits: under a transaction-scoped advisory lock on the
+// namespace (so two brokers never count and claim at once), count its rows
+// in flight, then claim at most the room left, all bucket ranges.
+pub(super) const LOCK_NAMESPACE_LIMIT: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended('taskbroker/limit/' || $1::text, 0))";
+pub(super) const COUNT_NAMESPACE_IN_FLIGHT: &str = "SELECT count(*)::int8 \
+     FROM inflight_taskactivations WHERE namespace = $1 AND status IN ('Claimed', 'Processing')";
+pub(super) const CLAIM_LIMITED: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND namespace = $1 \
+         AND (expires_at IS NULL OR expires_at > now()) \
+       ORDER BY added_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+       claim_expires_at = GREATEST(now() + $3::int8 * interval '1 microsecond', \
+                                   t.claim_expires_at + interval '1 microsecond') \
+     FROM picked WHERE t.id = picked.id RETURNING ",
+    columns!(t)
+);
+
 macro_rules! claim_for_pull {
     ($filter:expr) => {
         concat!(

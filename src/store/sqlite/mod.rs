@@ -446,6 +446,45 @@ impl ActivationStore for SqliteStore {
         .await
     }
 
+    async fn claim_limited(
+        &self,
+        namespace: &str,
+        max_in_flight: u32,
+        limit_rows: usize,
+        lease: Duration,
+    ) -> StoreResult<Vec<ClaimedActivation>> {
+        const OP: &str = "claim_limited";
+        if limit_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let namespace = namespace.to_owned();
+        let lease = duration_micros(lease);
+        self.write(OP, false, move |connection| {
+            let in_flight: i64 = connection
+                .prepare_cached(COUNT_NAMESPACE_IN_FLIGHT)
+                .and_then(|mut statement| statement.query_row(params![namespace], |row| row.get(0)))
+                .map_err(|e| sql_error(OP, e))?;
+            let room = i64::from(max_in_flight).saturating_sub(in_flight);
+            if room <= 0 {
+                return Ok(Vec::new());
+            }
+            let now = now_micros();
+            let claimed = query_rows(
+                connection,
+                OP,
+                CLAIM_LIMITED,
+                params![
+                    namespace,
+                    room.min(limit(limit_rows)),
+                    now.saturating_add(lease),
+                    now
+                ],
+            )?;
+            claimed_rows(claimed)
+        })
+        .await
+    }
+
     async fn claim_for_pull_except(
         &self,
         filter: &PullFilter,

@@ -60,6 +60,21 @@ macro_rules! claim_for_push {
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
 pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?6"));
 
+// Concurrency limits (the single writer makes count-then-claim atomic):
+// `?1` namespace; then `?2` limit, `?3` claim expiry, `?4` now.
+pub(super) const COUNT_NAMESPACE_IN_FLIGHT: &str = "SELECT count(*) \
+     FROM inflight_taskactivations WHERE namespace = ?1 AND status IN ('Claimed', 'Processing')";
+pub(super) const CLAIM_LIMITED: &str = concat!(
+    "UPDATE inflight_taskactivations \
+       SET status = 'Claimed', claim_expires_at = max(?3, coalesce(claim_expires_at + 1, 0)) \
+     WHERE id IN (SELECT id FROM inflight_taskactivations \
+       WHERE status = 'Pending' AND namespace = ?1 \
+         AND (expires_at IS NULL OR expires_at > ?4) \
+       ORDER BY added_at LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
 // `?1` now, `?2` now + grace (µs), `?3` application, `?4` namespace, `?5`
 // paused rules (the _UNPAUSED variants).
 macro_rules! claim_for_pull {

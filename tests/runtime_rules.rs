@@ -74,6 +74,24 @@ fn config(db: &TestStore, kafka: &MockKafka, runtime: &Path, extra: &[(&str, Str
     Config::from_lookup(|name| env.get(name).cloned()).expect("test configuration")
 }
 
+/// Pulls every task the broker hands out (GetTask answers NOT_FOUND once
+/// nothing is left), each once; their ids.
+async fn pull_all(broker: &Broker) -> BTreeSet<String> {
+    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
+        .await
+        .unwrap();
+    let mut pulled = BTreeSet::new();
+    while let Some(task) = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .ok()
+        .and_then(|response| response.into_inner().task)
+    {
+        assert!(pulled.insert(task.id.clone()), "{} pulled twice", task.id);
+    }
+    pulled
+}
+
 fn ids(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
     range.map(|i| format!("{prefix}-{i}")).collect()
 }
@@ -161,19 +179,7 @@ async fn a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones
     .await;
 
     // Every keep task, and nothing else, reaches a worker.
-    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
-        .await
-        .unwrap();
-    let mut pulled = BTreeSet::new();
-    // GetTask answers NOT_FOUND once nothing is left to hand out.
-    while let Some(task) = client
-        .get_task(GetTaskRequest::default())
-        .await
-        .ok()
-        .and_then(|response| response.into_inner().task)
-    {
-        assert!(pulled.insert(task.id), "pulled twice");
-    }
+    let pulled = pull_all(&broker).await;
     let keep: BTreeSet<String> = keep_before.into_iter().chain(keep_after).collect();
     assert_eq!(pulled, keep);
     assert_eq!(
@@ -356,18 +362,7 @@ async fn a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving(b
         40
     );
 
-    let mut client = ConsumerServiceClient::connect(format!("http://{}", broker.grpc_addr))
-        .await
-        .unwrap();
-    let mut pulled = BTreeSet::new();
-    while let Some(task) = client
-        .get_task(GetTaskRequest::default())
-        .await
-        .ok()
-        .and_then(|response| response.into_inner().task)
-    {
-        assert!(pulled.insert(task.id), "pulled twice");
-    }
+    let pulled = pull_all(&broker).await;
     let fast: BTreeSet<String> = fast_before.into_iter().chain(fast_after).collect();
     assert_eq!(pulled, fast);
     broker.stop().await;

@@ -143,34 +143,10 @@ struct DeadLetter {
 }
 
 pub fn dlq(args: DlqArgs) -> ExitCode {
-    // Only the Kafka and topic settings matter here, not the workers.
-    let config = match Config::from_lookup(|name| match name {
-        "TASKBROKER_DELIVERY_MODE" => Some("pull".to_owned()),
-        _ => std::env::var(name).ok(),
-    }) {
-        Ok(config) => config,
-        Err(err) => {
-            eprintln!("taskbroker dlq: {err}");
-            return ExitCode::from(2);
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("taskbroker dlq: {err}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(&config, args.action)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("taskbroker dlq: {message}");
-            ExitCode::FAILURE
-        }
-    }
+    super::run_tool(
+        "dlq",
+        |config| async move { run(&config, args.action).await },
+    )
 }
 
 async fn run(config: &Config, action: DlqAction) -> Result<(), String> {

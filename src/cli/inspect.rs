@@ -46,38 +46,11 @@ enum InspectWhat {
 }
 
 pub fn inspect(args: InspectArgs) -> ExitCode {
-    // Only the store settings matter here: a missing WORKER_ENDPOINTS (push
-    // mode's one requirement) must not stop an operator from looking.
-    let config = match Config::from_lookup(|name| match name {
-        "TASKBROKER_DELIVERY_MODE" => Some("pull".to_owned()),
-        _ => std::env::var(name).ok(),
-    }) {
-        Ok(config) => config,
-        Err(err) => {
-            eprintln!("taskbroker inspect: {err}");
-            return ExitCode::from(2);
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("taskbroker inspect: {err}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(&config, &args)) {
-        Ok(output) => {
-            println!("{output}");
-            ExitCode::SUCCESS
-        }
-        Err(message) => {
-            eprintln!("taskbroker inspect: {message}");
-            ExitCode::FAILURE
-        }
-    }
+    super::run_tool("inspect", |config| async move {
+        let output = run(&config, &args).await?;
+        println!("{output}");
+        Ok(())
+    })
 }
 
 async fn run(config: &Config, args: &InspectArgs) -> Result<String, String> {

@@ -174,6 +174,25 @@ impl SqliteStore {
         result.await.map_err(|_| writer_gone(operation))?
     }
 
+    /// A statement over rows named by id (`?1`, a JSON array); no ids, no
+    /// statement. Answers the rows it changed.
+    async fn write_by_ids(
+        &self,
+        operation: &'static str,
+        durable: bool,
+        sql: &'static str,
+        ids: &[String],
+    ) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let ids = json_strings(ids.iter().map(String::as_str));
+        self.write(operation, durable, move |connection| {
+            execute(connection, operation, sql, params![ids])
+        })
+        .await
+    }
+
     /// An upkeep statement over rows due by now: `?1` now, `?2` limit.
     async fn due_now(
         &self,
@@ -618,15 +637,8 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn delete_batch(&self, ids: &[String]) -> StoreResult<u64> {
-        const OP: &str = "delete_batch";
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let ids = json_strings(ids.iter().map(String::as_str));
-        self.write(OP, false, move |connection| {
-            execute(connection, OP, DELETE_BATCH, params![ids])
-        })
-        .await
+        self.write_by_ids("delete_batch", false, DELETE_BATCH, ids)
+            .await
     }
 
     async fn release_expired_claims(&self, limit_rows: usize) -> StoreResult<u64> {
@@ -762,15 +774,8 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn remove_forwarded(&self, ids: &[String]) -> StoreResult<u64> {
-        const OP: &str = "remove_forwarded";
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let ids = json_strings(ids.iter().map(String::as_str));
-        self.write(OP, true, move |connection| {
-            execute(connection, OP, REMOVE_FORWARDED, params![ids])
-        })
-        .await
+        self.write_by_ids("remove_forwarded", true, REMOVE_FORWARDED, ids)
+            .await
     }
 
     async fn discard_failures(&self, limit_rows: usize) -> StoreResult<u64> {
@@ -782,15 +787,8 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn mark_published(&self, ids: &[String]) -> StoreResult<u64> {
-        const OP: &str = "mark_published";
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let ids = json_strings(ids.iter().map(String::as_str));
-        self.write(OP, true, move |connection| {
-            execute(connection, OP, MARK_PUBLISHED, params![ids])
-        })
-        .await
+        self.write_by_ids("mark_published", true, MARK_PUBLISHED, ids)
+            .await
     }
 
     async fn remove_completed(&self, limit_rows: usize) -> StoreResult<u64> {

@@ -70,19 +70,28 @@ impl RuntimeRules {
         self.rules.borrow().clone()
     }
 
-    /// Whether a killswitch in force drops this task (no copy of the rules).
-    pub fn killed(&self, namespace: &str, taskname: &str) -> bool {
-        self.rules.borrow().killed(namespace, taskname)
-    }
-
-    /// Where a task of `namespace` read from `topic` is forwarded, if its
-    /// namespace is demoted (no copy of the rules).
-    pub fn demoted_to(&self, namespace: &str, topic: &str) -> Option<String> {
+    /// What the consumer does with a task of `namespace`/`taskname` read
+    /// from `topic`, under one look at the rules in force.
+    pub fn at_ingest(&self, namespace: &str, taskname: &str, topic: &str) -> AtIngest {
         let rules = self.rules.borrow();
-        rules
-            .demoted(namespace, topic)
-            .then(|| rules.demoted_topic.clone())
+        if rules.killed(namespace, taskname) {
+            AtIngest::Killed
+        } else if rules.demoted(namespace, topic) {
+            AtIngest::Demoted(Arc::clone(&rules.demoted_topic))
+        } else {
+            AtIngest::Store
+        }
     }
+}
+
+/// The runtime rules' verdict on a consumed task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AtIngest {
+    Store,
+    /// A killswitch drops it.
+    Killed,
+    /// Its namespace is demoted: forward it to this topic.
+    Demoted(Arc<str>),
 }
 
 /// Reads the file at `path` and keeps [`RuntimeRules`] up to date with it
@@ -321,8 +330,8 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
                  (1 to 249 of a-z, A-Z, 0-9, '.', '_', '-')"
             ));
         }
-        Some(topic) => topic,
-        None => default_demoted_topic.to_owned(),
+        Some(topic) => topic.into(),
+        None => default_demoted_topic.into(),
     };
     let concurrency_limits = file
         .concurrency_limits
@@ -385,7 +394,7 @@ mod tests {
     #[test]
     fn an_empty_file_or_comments_only_is_no_rules() {
         let none = TaskRules {
-            demoted_topic: "tasks-long".to_owned(),
+            demoted_topic: "tasks-long".into(),
             ..TaskRules::default()
         };
         assert_eq!(parse(b"", "tasks-long").unwrap(), none);
@@ -416,7 +425,7 @@ demoted_namespaces: [slow]
             "never from the demoted topic"
         );
         assert!(!rules.demoted("fast", "tasks"));
-        assert_eq!(rules.demoted_topic, "tasks-long");
+        assert_eq!(&*rules.demoted_topic, "tasks-long");
         assert_eq!(rules.unclaimable.len(), 3);
         assert!(rules.killed("billing-eu", "billing.send_mail"));
         assert!(!rules.killed("billing-eu", "billing.receive"));
@@ -453,7 +462,7 @@ demoted_namespaces: [slow]
             parse(b"demoted_topic: slow-pool", "tasks-long")
                 .unwrap()
                 .demoted_topic,
-            "slow-pool"
+            "slow-pool".into()
         );
         let long = "x".repeat(MAX_NAME + 1);
         assert!(refused(&format!("paused: [{{namespace: {long}}}]")).contains("longer than"));

@@ -22,6 +22,7 @@ use taskbroker::metrics::Metrics;
 use taskbroker::proto::GetTaskRequest;
 use taskbroker::proto::consumer_service_client::ConsumerServiceClient;
 use taskbroker::runtime::RuntimeFile;
+use taskbroker::store::ActivationStore;
 
 /// A runtime file in a directory of its own, removed with it.
 struct RuntimeDir {
@@ -92,6 +93,24 @@ async fn pull_all(broker: &Broker) -> BTreeSet<String> {
     pulled
 }
 
+/// A broker on the test store and cluster, reading `runtime`'s file.
+fn start(
+    db: &TestStore,
+    store: &Arc<dyn ActivationStore>,
+    kafka: &MockKafka,
+    runtime: &RuntimeDir,
+    extra: &[(&str, String)],
+    metrics: &Arc<Metrics>,
+) -> Broker {
+    Broker::start(
+        &config(db, kafka, &runtime.path(), extra),
+        Arc::clone(store),
+        Arc::clone(metrics),
+        "test-host",
+    )
+    .expect("broker starts")
+}
+
 fn ids(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
     range.map(|i| format!("{prefix}-{i}")).collect()
 }
@@ -114,18 +133,14 @@ async fn a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones
     let runtime = RuntimeDir::new();
     runtime.write("# no rules yet\n");
     let metrics = Arc::new(Metrics::new());
-    let broker = Broker::start(
-        &config(
-            &db,
-            &kafka,
-            &runtime.path(),
-            &[("DELIVERY_MODE", "pull".to_owned())],
-        ),
-        store.clone(),
-        Arc::clone(&metrics),
-        "test-host",
-    )
-    .expect("broker starts");
+    let broker = start(
+        &db,
+        &store,
+        &kafka,
+        &runtime,
+        &[("DELIVERY_MODE", "pull".to_owned())],
+        &metrics,
+    );
 
     let (kill_before, keep_before) = (ids("kill", 0..100), ids("keep", 0..100));
     kafka
@@ -211,18 +226,14 @@ async fn a_paused_namespace_holds_its_tasks_until_resumed(backend: Backend) {
     runtime.write("paused:\n  - application: app\n    namespace: held\n");
     let worker = FakeWorker::start(Mode::accept()).await;
     let metrics = Arc::new(Metrics::new());
-    let broker = Broker::start(
-        &config(
-            &db,
-            &kafka,
-            &runtime.path(),
-            &[("WORKER_ENDPOINTS", format!("*={}", worker.url()))],
-        ),
-        store.clone(),
-        Arc::clone(&metrics),
-        "test-host",
-    )
-    .expect("broker starts");
+    let broker = start(
+        &db,
+        &store,
+        &kafka,
+        &runtime,
+        &[("WORKER_ENDPOINTS", format!("*={}", worker.url()))],
+        &metrics,
+    );
     let (held, free) = (ids("held", 0..50), ids("free", 0..50));
     kafka
         .produce("tasks", &encoded_tasks(&held, "held", 60))
@@ -287,18 +298,14 @@ async fn a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving(b
     let runtime = RuntimeDir::new();
     runtime.write("");
     let metrics = Arc::new(Metrics::new());
-    let broker = Broker::start(
-        &config(
-            &db,
-            &kafka,
-            &runtime.path(),
-            &[("DELIVERY_MODE", "pull".to_owned())],
-        ),
-        store.clone(),
-        Arc::clone(&metrics),
-        "test-host",
-    )
-    .expect("broker starts");
+    let broker = start(
+        &db,
+        &store,
+        &kafka,
+        &runtime,
+        &[("DELIVERY_MODE", "pull".to_owned())],
+        &metrics,
+    );
     let (slow_before, fast_before) = (ids("slow", 0..40), ids("fast", 0..40));
     let mut encoded: HashMap<String, Vec<u8>> = HashMap::new();
     for (ids, namespace) in [(&slow_before, "slow"), (&fast_before, "fast")] {
@@ -385,18 +392,16 @@ async fn a_concurrency_limit_holds_across_two_brokers_sharing_postgres() {
     let worker = FakeWorker::start(Mode::accept()).await;
     let brokers: Vec<Broker> = (0..2)
         .map(|_| {
-            Broker::start(
-                &config(
-                    &db,
-                    &kafka,
-                    &runtime.path(),
-                    &[("WORKER_ENDPOINTS", format!("*={}", worker.url()))],
-                ),
-                store.clone(),
-                Arc::new(Metrics::new()),
-                "test-host",
+            let endpoints = format!("*={}", worker.url());
+            let metrics = Arc::new(Metrics::new());
+            start(
+                &db,
+                &store,
+                &kafka,
+                &runtime,
+                &[("WORKER_ENDPOINTS", endpoints)],
+                &metrics,
             )
-            .expect("broker starts")
         })
         .collect();
     let (capped, free) = (
@@ -493,19 +498,22 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
         Arc::clone(&metrics),
     )
     .unwrap();
-    assert!(rules.killed("any", "poison"));
+    assert!(rules.current().killed("any", "poison"));
     assert!(metrics.runtime_config_loaded.get() > 0);
 
     runtime.write("killswitches:\n  - {}\n");
     file.check();
     file.check();
     assert_eq!(metrics.runtime_config_errors.get(), 1, "refused once");
-    assert!(rules.killed("any", "poison"), "the previous rules stay");
+    assert!(
+        rules.current().killed("any", "poison"),
+        "the previous rules stay"
+    );
 
     runtime.write("killswitches:\n  - taskname: other\n");
     file.check();
-    assert!(!rules.killed("any", "poison"));
-    assert!(rules.killed("any", "other"));
+    assert!(!rules.current().killed("any", "poison"));
+    assert!(rules.current().killed("any", "other"));
     assert_eq!(metrics.runtime_config_errors.get(), 1);
 
     std::fs::remove_file(runtime.path()).unwrap();
@@ -516,7 +524,10 @@ fn bad_versions_of_the_runtime_file_keep_the_last_good_rules() {
         2,
         "a missing file refused once"
     );
-    assert!(rules.killed("any", "other"), "the previous rules stay");
+    assert!(
+        rules.current().killed("any", "other"),
+        "the previous rules stay"
+    );
     assert_eq!(
         metrics
             .runtime_rules

@@ -625,7 +625,7 @@ impl Cycle {
             .store
             .call(TakeDemoted {
                 namespaces: Arc::clone(&rules.demoted_namespaces),
-                demoted_topic: rules.demoted_topic.clone(),
+                demoted_topic: Arc::clone(&rules.demoted_topic),
                 limit: self.config.batch_limit,
                 lease: self.config.publish_lease,
             })
@@ -638,7 +638,7 @@ impl Cycle {
             return Some(0);
         }
         let count = u64::try_from(taken.len()).unwrap_or(u64::MAX);
-        let topic = rules.demoted_topic.as_str();
+        let topic = &*rules.demoted_topic;
         let timeout = rdkafka::util::Timeout::After(self.config.delivery_timeout);
         let sends = taken.iter().map(|row| {
             self.producers.forward.send(

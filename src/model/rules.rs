@@ -146,7 +146,7 @@ pub struct TaskRules {
     /// `demoted_topic` (at ingest, and by upkeep for stored rows) for a
     /// broker pool dedicated to slow work.
     pub demoted_namespaces: Arc<[String]>,
-    pub demoted_topic: String,
+    pub demoted_topic: Arc<str>,
     /// Namespaces with at most this many tasks in flight (Claimed or
     /// Processing) across every broker sharing the store.
     pub concurrency_limits: Arc<[(String, u32)]>,
@@ -193,7 +193,7 @@ impl TaskRules {
     /// the demoted topic: never when it came from that topic (the slow
     /// pool's own consumer stores what it reads).
     pub fn demoted(&self, namespace: &str, topic: &str) -> bool {
-        topic != self.demoted_topic && self.demoted_namespaces.iter().any(|n| n == namespace)
+        topic != &*self.demoted_topic && self.demoted_namespaces.iter().any(|n| n == namespace)
     }
 }
 

@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 
+use std::sync::Arc;
+
 use tokio::time::Instant;
 
 use rdkafka::message::{Headers as _, Message};
@@ -16,6 +18,7 @@ use crate::kafka::raw::{RawRecord, raw_activation};
 use crate::model::{
     ActivationError, InflightActivation, KafkaPosition, inflight_from_record, timestamp_in_range,
 };
+use crate::runtime::AtIngest;
 
 /// Records read since the last flush.
 #[derive(Default)]
@@ -26,7 +29,7 @@ pub(super) struct Batch {
     /// Records a killswitch dropped.
     pub(super) killswitched: u64,
     /// Activations of demoted namespaces, with the topic they go to.
-    pub(super) demoted: Vec<(InflightActivation, String)>,
+    pub(super) demoted: Vec<(InflightActivation, Arc<str>)>,
     /// Per (topic, partition): the ownership generation the records were
     /// read under, and the highest offset read.
     pub(super) offsets: BTreeMap<(String, i32), (u64, i64)>,
@@ -138,13 +141,17 @@ impl ConsumeLoop {
                 Ok(row) if row.expires_at.is_some_and(|expires| expires <= now) => {
                     batch.expired += 1;
                 }
-                Ok(row) if self.config.rules.killed(&row.namespace, &row.taskname) => {
-                    batch.killswitched += 1;
+                Ok(row) => {
+                    match self
+                        .config
+                        .rules
+                        .at_ingest(&row.namespace, &row.taskname, &row.topic)
+                    {
+                        AtIngest::Store => batch.rows.push(row),
+                        AtIngest::Killed => batch.killswitched += 1,
+                        AtIngest::Demoted(topic) => batch.demoted.push((row, topic)),
+                    }
                 }
-                Ok(row) => match self.config.rules.demoted_to(&row.namespace, &row.topic) {
-                    Some(topic) => batch.demoted.push((row, topic)),
-                    None => batch.rows.push(row),
-                },
                 Err(error) => batch.invalid.push(Invalid {
                     bytes: payload,
                     original_len: None,

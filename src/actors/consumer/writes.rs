@@ -190,7 +190,7 @@ impl ConsumeLoop {
     /// that is neither stored nor forwarded.
     pub(super) async fn forward_demoted(
         &mut self,
-        demoted: Vec<(InflightActivation, String)>,
+        demoted: Vec<(InflightActivation, Arc<str>)>,
     ) -> Result<(), Stopped> {
         let mut pending = demoted;
         let mut backoff = Backoff::new();

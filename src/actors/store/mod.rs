@@ -47,6 +47,12 @@ async fn claim_batch(
     msg: ClaimBatch,
     rules: TaskRules,
 ) -> StoreResult<Vec<ClaimedActivation>> {
+    if rules.concurrency_limits.is_empty() {
+        // The common case: one statement, as without rules.
+        return store
+            .claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.unclaimable)
+            .await;
+    }
     let mut claimed = Vec::new();
     // `Some`: a limited namespace's counted claim; `None`: the ordinary one.
     let steps: Vec<Option<(&str, u32)>> = rules
@@ -235,7 +241,7 @@ store_messages! {
         "take_for_publish", |store, msg| store.take_for_publish(msg.kind, msg.limit, msg.lease);
 
     /// Upkeep: take demoted namespaces' stored rows to forward, leased.
-    TakeDemoted { namespaces: Arc<[String]>, demoted_topic: String, limit: usize, lease: Duration } -> Vec<InflightActivation>,
+    TakeDemoted { namespaces: Arc<[String]>, demoted_topic: Arc<str>, limit: usize, lease: Duration } -> Vec<InflightActivation>,
         "take_demoted",
         |store, msg| store.take_demoted(&msg.namespaces, &msg.demoted_topic, msg.limit, msg.lease);
 

@@ -143,6 +143,13 @@ pub struct Metrics {
     /// Seconds the oldest first-attempt Pending task of each namespace (top
     /// K, the rest as `other`) has been runnable.
     pub namespace_max_lag: prometheus::GaugeVec,
+    /// Worker reports that applied, per namespace (those the per-namespace
+    /// gauges show, the rest as `other`) and status (complete, retry,
+    /// failure): per-namespace result rates.
+    pub namespace_results: IntCounterVec,
+    /// The namespaces the per-namespace gauges show now; reports on others
+    /// count as `other`, so the series stay bounded.
+    shown_namespaces: std::sync::RwLock<std::collections::HashSet<String>>,
     /// Rules in force from the runtime file, by kind (killswitches, paused,
     /// demoted_namespaces).
     pub runtime_rules: IntGaugeVec,
@@ -191,6 +198,8 @@ pub mod labels {
     ];
     /// `taskbroker_namespace_activations{status}`: the unfinished statuses.
     pub const NAMESPACE_STATUSES: &[&str] = &["pending", "delay", "claimed", "processing"];
+    /// `taskbroker_namespace_results_total{status}`: what a worker reports.
+    pub const NAMESPACE_RESULT_STATUSES: &[&str] = &["complete", "retry", "failure"];
     /// The namespace label standing for every namespace outside the top K.
     pub const OTHER_NAMESPACES: &str = "other";
     /// `taskbroker_runtime_rules{kind}`.
@@ -574,6 +583,11 @@ impl Metrics {
             &["namespace"],
         )
         .expect("valid metric definition");
+        let namespace_results = counter_vec(
+            "taskbroker_namespace_results_total",
+            "Worker reports that applied, per namespace (those taskbroker_namespace_activations shows, the rest as \"other\") and status.",
+            &["namespace", "status"],
+        );
         let runtime_rules = gauge_vec(
             "taskbroker_runtime_rules",
             "Rules in force from the runtime file, by kind.",
@@ -585,6 +599,7 @@ impl Metrics {
             Box::new(runtime_rules.clone()),
             Box::new(namespace_activations.clone()),
             Box::new(namespace_max_lag.clone()),
+            Box::new(namespace_results.clone()),
             Box::new(grpc_tls_reloads.clone()),
             Box::new(grpc_tls_loaded.clone()),
             Box::new(grpc_tls_handshake_failures.clone()),
@@ -670,6 +685,8 @@ impl Metrics {
             runtime_rules,
             namespace_activations,
             namespace_max_lag,
+            namespace_results,
+            shown_namespaces: Default::default(),
         };
         metrics.initialise_label_values();
         metrics
@@ -847,6 +864,29 @@ impl Metrics {
         }
         self.namespace_max_lag
             .with_label_values(&[labels::OTHER_NAMESPACES]);
+        for status in labels::NAMESPACE_RESULT_STATUSES {
+            self.namespace_results
+                .with_label_values(&[labels::OTHER_NAMESPACES, status]);
+        }
+    }
+
+    /// Counts the reports a status write applied, per namespace: under its
+    /// own name while the per-namespace gauges show it, else as `other`.
+    pub fn record_namespace_results(&self, results: &[crate::model::NamespaceResult]) {
+        let shown = self
+            .shown_namespaces
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for result in results {
+            let namespace = if shown.contains(&result.namespace) {
+                result.namespace.as_str()
+            } else {
+                labels::OTHER_NAMESPACES
+            };
+            self.namespace_results
+                .with_label_values(&[namespace, result.status.metric_label()])
+                .inc_by(result.count);
+        }
     }
 
     /// Replaces the per-namespace gauges: `counts` as (namespace, status,
@@ -860,7 +900,15 @@ impl Metrics {
         self.namespace_activations.reset();
         self.namespace_max_lag.reset();
         self.initialise_namespace_gauges();
+        let mut shown = self
+            .shown_namespaces
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        shown.clear();
         for (namespace, status, count) in counts {
+            if !shown.contains(namespace) {
+                shown.insert(namespace.to_owned());
+            }
             self.namespace_activations
                 .with_label_values(&[namespace, status])
                 .set(i64::try_from(count).unwrap_or(i64::MAX));
@@ -934,7 +982,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 37, "{text}");
+        assert_eq!(families, 38, "{text}");
         assert!(text.contains("taskbroker_push_no_route_total 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));

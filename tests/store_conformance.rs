@@ -13,8 +13,8 @@ use common::{insert, now, row, row_from, rows, task};
 use prost::Message;
 use taskbroker::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, Glob, InflightActivation,
-    Killswitch, OnAttemptsExceeded, PauseRule, PublishKind, PullFilter, RetryEdit, StatusUpdate,
-    StatusUpdateOutcome, WorkerStatus,
+    Killswitch, NamespaceResult, OnAttemptsExceeded, PauseRule, PublishKind, PullFilter, RetryEdit,
+    StatusUpdate, StatusUpdateOutcome, WorkerStatus,
 };
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig, StoreError};
@@ -604,7 +604,9 @@ async fn pull_claim_skips_expired_rows(store: Store) {
 async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
     // One row in each status a worker might report on.
     let processing = processing(&store, "proc", 2).await;
-    insert(store.as_ref(), &[row("claimed")]).await;
+    let mut claimed = row("claimed");
+    claimed.namespace = "billing".to_owned();
+    insert(store.as_ref(), &[claimed]).await;
     let held = claim_all(&store, LEASE).await;
     assert_eq!(ids(&held), ["claimed"]);
     insert(
@@ -634,6 +636,12 @@ async fn status_updates_apply_only_to_claimed_or_processing(store: Store) {
             ignored: 2,
             missing: 1,
             late: 0,
+            // Only the reports that applied, per namespace and status.
+            by_namespace: vec![
+                NamespaceResult::new("billing", WorkerStatus::Complete, 1),
+                NamespaceResult::new("test-ns", WorkerStatus::Failure, 1),
+                NamespaceResult::new("test-ns", WorkerStatus::Retry, 1),
+            ],
         }
     );
     // COMPLETE, and FAILURE of a task that discards (the default), need
@@ -693,6 +701,10 @@ async fn reports_on_overdue_or_redelivered_rows_count_as_late(store: Store) {
             ignored: 1,
             missing: 0,
             late: 2,
+            by_namespace: vec![
+                NamespaceResult::new("test-ns", WorkerStatus::Complete, 2),
+                NamespaceResult::new("test-ns", WorkerStatus::Retry, 1),
+            ],
         },
         "late: the redelivered and the overdue row, not the ignored one"
     );

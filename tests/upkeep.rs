@@ -17,6 +17,7 @@ use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
 use taskbroker::actors::consumer::ConsumerActor;
+use taskbroker::actors::store::ReportStatus;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::model::{
@@ -1078,5 +1079,46 @@ async fn namespace_gauges_show_the_top_namespaces_and_the_rest_as_other() {
                 .get(),
             12
         );
+
+        // Worker reports count per namespace: a shown one under its name,
+        // the rest as `other`; only reports that applied.
+        let claimed = harness
+            .store
+            .claim_for_push(BucketRange::ALL, 100, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let report = |namespace: &str, status: WorkerStatus| {
+            claimed
+                .iter()
+                .filter(|claim| claim.activation.namespace == namespace)
+                .map(|claim| StatusUpdate::new(claim.token.id.clone(), status))
+                .collect::<Vec<_>>()
+        };
+        let mut updates = report("big", WorkerStatus::Complete);
+        updates.extend(report("mid", WorkerStatus::Retry));
+        updates.extend(report("small", WorkerStatus::Failure));
+        updates.extend(report("tiny", WorkerStatus::Complete));
+        updates.push(StatusUpdate::new("no-such-row", WorkerStatus::Complete));
+        harness
+            .store_actor
+            .call(ReportStatus { updates })
+            .await
+            .unwrap();
+        let results = |namespace: &str, status: &str| {
+            harness
+                .metrics
+                .namespace_results
+                .with_label_values(&[namespace, status])
+                .get()
+        };
+        assert_eq!(results("big", "complete"), 7, "{backend:?}");
+        assert_eq!(results("mid", "retry"), 3);
+        assert_eq!(results("other", "failure"), 1, "small");
+        assert_eq!(
+            results("other", "complete"),
+            1,
+            "tiny; the missing row not at all"
+        );
+        assert!(!harness.metrics.render().contains("namespace=\"tiny\""));
     }
 }

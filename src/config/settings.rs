@@ -420,7 +420,7 @@ settings! {
         allowed: Allowed::Integer { min: 1, max: 200 },
         secret: false,
         render: text,
-        description: "How many namespaces get series of their own on the per-namespace gauges (`taskbroker_namespace_activations`, `taskbroker_namespace_max_lag_seconds`): those with the most unfinished tasks; the rest are summed as `other`, so the series stay bounded.",
+        description: "How many namespaces get series of their own on the per-namespace metrics (`taskbroker_namespace_activations`, `taskbroker_namespace_max_lag_seconds`, `taskbroker_namespace_results_total`): those with the most unfinished tasks; the rest are summed as `other`, so the series stay bounded.",
     },
     runtime_config: Option<PathBuf> = RUNTIME_CONFIG {
         default: "",

@@ -19,8 +19,9 @@ pub use activation::{
 };
 pub use claim::{ClaimToken, ClaimedActivation};
 pub use report::{
-    DeadlineOutcome, NamespaceCount, NamespaceSummary, OTHER_NAMESPACES, PublishKind, PullFilter,
-    StatusCounts, StatusUpdate, StatusUpdateOutcome, WorkerStatus, top_namespaces,
+    DeadlineOutcome, NamespaceCount, NamespaceResult, NamespaceSummary, OTHER_NAMESPACES,
+    PublishKind, PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome, WorkerStatus,
+    top_namespaces,
 };
 pub use retry::{RetryEdit, retry_activation};
 pub use row::{

@@ -75,7 +75,7 @@ impl StatusUpdate {
 }
 
 /// What a batch of status updates did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatusUpdateOutcome {
     /// Rows that were Claimed or Processing and took the new status.
     pub updated: u64,
@@ -89,9 +89,54 @@ pub struct StatusUpdateOutcome {
     /// delivered before (`processing_attempts` > 0). Reports carry only the
     /// id, so such a report still sets the status (PROTOCOL.md).
     pub late: u64,
+    /// The `updated` reports per namespace and reported status, sorted by
+    /// both (only pairs with at least one report): per-namespace result
+    /// rates.
+    pub by_namespace: Vec<NamespaceResult>,
+}
+
+/// How many reports of one status applied to one namespace's rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceResult {
+    pub namespace: String,
+    pub status: ActivationStatus,
+    pub count: u64,
+}
+
+impl NamespaceResult {
+    pub fn new(namespace: impl Into<String>, status: WorkerStatus, count: u64) -> Self {
+        NamespaceResult {
+            namespace: namespace.into(),
+            status: status.as_status(),
+            count,
+        }
+    }
 }
 
 impl StatusUpdateOutcome {
+    /// Adds one applied report of `status` on a row of `namespace` to
+    /// `updated` and `by_namespace` (kept sorted).
+    pub fn add_applied(&mut self, namespace: &str, status: WorkerStatus, late: bool) {
+        self.updated += 1;
+        self.late += u64::from(late);
+        let status = status.as_status();
+        let key = (namespace, status.as_str());
+        match self
+            .by_namespace
+            .binary_search_by(|r| (r.namespace.as_str(), r.status.as_str()).cmp(&key))
+        {
+            Ok(found) => self.by_namespace[found].count += 1,
+            Err(at) => self.by_namespace.insert(
+                at,
+                NamespaceResult {
+                    namespace: namespace.to_owned(),
+                    status,
+                    count: 1,
+                },
+            ),
+        }
+    }
+
     /// Each count with its metrics label.
     pub fn counts(&self) -> [(&'static str, u64); 4] {
         [

@@ -408,5 +408,6 @@ async fn write_reports(
     );
     let outcome = result?;
     metrics.record_status_outcome(outcome.counts());
+    metrics.record_namespace_results(&outcome.by_namespace);
     Ok(())
 }

@@ -27,8 +27,8 @@ use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
-    InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
-    StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    InflightActivation, Killswitch, NamespaceCount, NamespaceResult, PauseRule, PublishKind,
+    PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -500,11 +500,27 @@ impl ActivationStore for PostgresStore {
             Ok(u64::try_from(value).unwrap_or(0))
         };
         let (distinct, existing, updated) = (count(0)?, count(1)?, count(2)?);
+        let namespaces: Vec<String> = row.try_get(4).map_err(|e| query_error(OP, e))?;
+        let statuses: Vec<String> = row.try_get(5).map_err(|e| query_error(OP, e))?;
+        let counts: Vec<i64> = row.try_get(6).map_err(|e| query_error(OP, e))?;
+        let by_namespace = namespaces
+            .into_iter()
+            .zip(statuses)
+            .zip(counts)
+            .map(|((namespace, status), count)| {
+                Ok(NamespaceResult {
+                    namespace,
+                    status: super::parse_status(status)?,
+                    count: u64::try_from(count).unwrap_or(0),
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
         Ok(StatusUpdateOutcome {
             updated,
             ignored: existing.saturating_sub(updated),
             missing: distinct.saturating_sub(existing),
             late: count(3)?,
+            by_namespace,
         })
     }
 

@@ -201,14 +201,15 @@ pub(super) const DEFER_CLAIMS: &str = concat!(
 // writes, so the count needs no second query. A report that finishes the
 // task for good (COMPLETE, or FAILURE of a task that discards) deletes the
 // row in this statement; RETRY and dead-lettering FAILURE rows stay for
-// upkeep to publish.
+// upkeep to publish. The last three columns are the applied reports per
+// namespace and reported status, as parallel arrays in one order.
 macro_rules! set_status {
     ($reports:literal, $set:literal) => {
         concat!(
             "WITH u AS (SELECT DISTINCT ON (id) * FROM ",
             $reports,
             "), \
-             held AS MATERIALIZED (SELECT t.id, \
+             held AS MATERIALIZED (SELECT t.id, t.namespace, u.status AS reported, \
                  (t.status = 'Processing' AND t.processing_deadline < now()) \
                    OR t.processing_attempts > 0 AS late, \
                  u.status = 'Complete' \
@@ -217,18 +218,23 @@ macro_rules! set_status {
                WHERE t.status IN ('Claimed', 'Processing') ORDER BY t.id FOR UPDATE OF t), \
              deleted AS (DELETE FROM inflight_taskactivations t USING held \
                WHERE t.id = held.id AND held.finished AND t.status IN ('Claimed', 'Processing') \
-               RETURNING held.late), \
+               RETURNING held.late, held.namespace, held.reported), \
              updated AS (UPDATE inflight_taskactivations t SET status = u.status",
             $set,
             " FROM u, held \
                WHERE t.id = u.id AND t.id = held.id AND NOT held.finished \
                  AND t.status IN ('Claimed', 'Processing') \
-               RETURNING held.late), \
-             written AS (SELECT late FROM deleted UNION ALL SELECT late FROM updated) \
+               RETURNING held.late, held.namespace, held.reported), \
+             written AS (SELECT * FROM deleted UNION ALL SELECT * FROM updated), \
+             results AS (SELECT namespace, reported, count(*)::int8 AS n FROM written \
+               GROUP BY namespace, reported) \
              SELECT (SELECT count(*) FROM u), \
                     (SELECT count(*) FROM inflight_taskactivations t JOIN u ON t.id = u.id), \
                     (SELECT count(*) FROM written), \
-                    (SELECT count(*) FROM written WHERE late)"
+                    (SELECT count(*) FROM written WHERE late), \
+                    ARRAY(SELECT namespace FROM results ORDER BY namespace, reported), \
+                    ARRAY(SELECT reported FROM results ORDER BY namespace, reported), \
+                    ARRAY(SELECT n FROM results ORDER BY namespace, reported)"
         )
     };
 }

@@ -108,21 +108,25 @@ pub(super) fn fenced(
 }
 
 /// Applies one worker report if its row is handed out (Claimed or
-/// Processing): `Some(late)` when it applied, `None` otherwise. A report
+/// Processing): `Some((late, namespace))` when it applied, `None` otherwise. A report
 /// that finishes the task for good (COMPLETE, or FAILURE of a task that
 /// discards) deletes the row; a RETRY report's edit is stored with the row
 /// by the same statement.
 pub(super) fn apply_report(
     connection: &Connection,
     update: &StatusUpdate,
-) -> StoreResult<Option<bool>> {
+) -> StoreResult<Option<(bool, String)>> {
     const OP: &str = "set_status";
     let status = update.status.as_status().as_str();
     let now = now_micros();
     let single_row = |sql: &str, params: &[&dyn ToSql]| {
         connection
             .prepare_cached(sql)
-            .and_then(|mut statement| statement.query_row(params, |row| row.get(0)).optional())
+            .and_then(|mut statement| {
+                statement
+                    .query_row(params, |row| Ok((row.get(0)?, row.get(1)?)))
+                    .optional()
+            })
             .map_err(|e| sql_error(OP, e))
     };
     match update.status {
@@ -131,8 +135,8 @@ pub(super) fn apply_report(
         }
         // Only a discarding task's row goes; a dead-lettered one stays.
         WorkerStatus::Failure => {
-            if let Some(late) = single_row(DELETE_FINISHED, &[&update.id, &status, &now])? {
-                return Ok(Some(late));
+            if let Some(applied) = single_row(DELETE_FINISHED, &[&update.id, &status, &now])? {
+                return Ok(Some(applied));
             }
         }
         WorkerStatus::Retry => {}

@@ -622,9 +622,8 @@ impl ActivationStore for SqliteStore {
         self.write(OP, true, move |connection| {
             let mut outcome = StatusUpdateOutcome::default();
             for update in &updates {
-                if let Some(late) = apply_report(connection, update)? {
-                    outcome.updated += 1;
-                    outcome.late += u64::from(late);
+                if let Some((late, namespace)) = apply_report(connection, update)? {
+                    outcome.add_applied(&namespace, update.status, late);
                 } else if exists(connection, &update.id)? {
                     outcome.ignored += 1;
                 } else {

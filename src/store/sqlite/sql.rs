@@ -145,8 +145,8 @@ pub(super) const FAIL_CLAIMS: &str =
 
 pub(super) const DEFER_CLAIMS: &str = fenced_claims!("status = 'Delay', delay_until = ?2");
 
-// Answers one row when the report applied, saying whether it likely came
-// from an earlier delivery (`?3` now): past the processing deadline, or
+// Answers one row when the report applied, with the row's namespace,
+// saying whether it likely came from an earlier delivery (`?3` now): past the processing deadline, or
 // delivered before. The update changes only `status` (and a RETRY's edit
 // columns), so RETURNING sees the deadline and attempts as they were. Of Claimed and Processing rows only
 // Processing ones carry a deadline (handing a task out sets it, deadline
@@ -158,7 +158,7 @@ macro_rules! set_status {
             $set,
             " WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
              RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
-               OR processing_attempts > 0"
+               OR processing_attempts > 0, namespace"
         )
     };
 }
@@ -176,7 +176,7 @@ pub(super) const DELETE_FINISHED: &str = "DELETE FROM inflight_taskactivations \
      WHERE id = ?1 AND status IN ('Claimed', 'Processing') \
        AND (?2 = 'Complete' OR (?2 = 'Failure' AND on_attempts_exceeded <> 2)) \
      RETURNING (processing_deadline IS NOT NULL AND processing_deadline < ?3) \
-       OR processing_attempts > 0";
+       OR processing_attempts > 0, namespace";
 
 pub(super) const EXISTS: &str = "SELECT 1 FROM inflight_taskactivations WHERE id = ?1";
 

@@ -57,6 +57,7 @@ impl PushPipelineConfig {
                 backoff: config.fetch_backoff,
                 queue_timeout: config.push_queue_timeout,
                 lease: config.claim_lease(),
+                fair_dispatch: config.fair_dispatch,
                 // Only a `test-hooks` build can turn it off (the stranded-claim benchmark).
                 #[cfg(feature = "test-hooks")]
                 release_on_full: !crate::config::test_hooks::disable_release_on_full(),

@@ -12,6 +12,7 @@
 //! demoted_namespaces: [reports]   # forwarded to the demoted topic
 //! demoted_topic: tasks-long       # default: `<KAFKA_TOPIC>-long`
 //! concurrency_limits: {exports: 5} # at most 5 in flight, all brokers
+//! weights: {checkout: 4}          # 4 turns of push dispatch to others' 1
 //! ```
 //!
 //! Every key is optional; an empty file is no rules. A file is validated
@@ -42,6 +43,9 @@ use crate::model::{Glob, Killswitch, PauseRule, TaskRules};
 /// this plus the time the parts take to look again (the next claim, batch
 /// or upkeep cycle).
 pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
+
+/// The largest dispatch weight a namespace may have (`weights`).
+pub const MAX_WEIGHT: u32 = 1000;
 
 /// Longest name a rule may hold (as the store's names).
 const MAX_NAME: usize = crate::model::MAX_NAME_BYTES;
@@ -248,10 +252,8 @@ struct FileRules {
     demoted_topic: Option<String>,
     #[serde(default)]
     concurrency_limits: BTreeMap<String, u32>,
-    // Parsed so that a file written for a broker that applies it gets a
-    // clear refusal instead of "unknown field".
     #[serde(default)]
-    weights: Option<BTreeMap<String, serde::de::IgnoredAny>>,
+    weights: BTreeMap<String, u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -274,13 +276,6 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
     // An empty document (or only comments) is no rules.
     let file: Option<FileRules> = serde_norway::from_str(text).map_err(|err| err.to_string())?;
     let file = file.unwrap_or_default();
-    for (key, present) in [("weights", file.weights.is_some())] {
-        if present {
-            return Err(format!(
-                "`{key}` is not supported by this version of taskbroker; remove it"
-            ));
-        }
-    }
     let killswitches = file
         .killswitches
         .into_iter()
@@ -348,6 +343,20 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
             Ok((namespace, limit))
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let weights = file
+        .weights
+        .into_iter()
+        .map(|(namespace, weight)| {
+            let at = format!("weights.{namespace}");
+            let namespace = name("weights", "namespace", Some(namespace))?.unwrap_or_default();
+            if !(1..=MAX_WEIGHT).contains(&weight) {
+                return Err(format!(
+                    "{at} is {weight}; a weight is from 1 to {MAX_WEIGHT} (to hold a namespace, pause it)"
+                ));
+            }
+            Ok((namespace, weight))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     // The ordinary claims leave out the paused tasks, every demoted
     // namespace (upkeep forwards those rows) and every limited one (claimed
     // by counted claims of their own).
@@ -370,6 +379,7 @@ pub fn parse(bytes: &[u8], default_demoted_topic: &str) -> Result<TaskRules, Str
         demoted_namespaces: demoted_namespaces.into(),
         demoted_topic,
         concurrency_limits: concurrency_limits.into(),
+        weights: weights.into(),
         unclaimable: unclaimable.into(),
     })
 }
@@ -446,7 +456,15 @@ demoted_namespaces: [slow]
         assert!(refused("killswitch: []").contains("unknown field `killswitch`"));
         assert!(refused("paused: [{app: x}]").contains("unknown field `app`"));
         assert!(refused("paused: yes").contains("paused"));
-        assert!(refused("weights: {a: 2}").contains("`weights` is not supported"));
+        assert!(refused("weights: {a: 0}").contains("weights.a is 0; a weight is from 1 to 1000"));
+        assert!(refused("weights: {a: 1001}").contains("weights.a is 1001"));
+        assert!(refused("weights: {a: 1.5}").contains("weights"));
+        let weighted = parse(b"weights: {checkout: 4, reports: 1}", "t").unwrap();
+        assert_eq!(
+            &*weighted.weights,
+            [("checkout".to_owned(), 4), ("reports".to_owned(), 1)]
+        );
+        assert!(weighted.unclaimable.is_empty(), "weights leave nothing out");
         assert!(refused("concurrency_limits: {a: 0}").contains("concurrency_limits.a is 0"));
         assert!(refused("concurrency_limits: {a: -1}").contains("concurrency_limits"));
         let limited = parse(b"concurrency_limits: {reports: 3}", "t").unwrap();

@@ -686,7 +686,7 @@ fn docs_table_has_one_row_per_setting() {
 
 /// A valid value for the `index`-th setting that differs from its default and, for numbers,
 /// from every other setting's, so a field wired to the wrong setting would show another value.
-fn distinct_value(index: usize, allowed: Allowed) -> String {
+fn distinct_value(index: usize, allowed: Allowed, default: &str) -> String {
     let i = index as u64;
     match allowed {
         // Small numbers: the queue and concurrency settings then keep the lease formula far
@@ -695,6 +695,8 @@ fn distinct_value(index: usize, allowed: Allowed) -> String {
         Allowed::Integer { min, max } => (min + 2 + i).min(max).to_string(),
         Allowed::PowerOfTwo { max, .. } => max.to_string(),
         Allowed::Millis { max, .. } | Allowed::Seconds { max, .. } => (max - i).to_string(),
+        // The other value than the default.
+        Allowed::Bool if default == "true" => "false".to_owned(),
         Allowed::Bool => "true".to_owned(),
         Allowed::OneOf(words) => words[1].to_owned(),
         Allowed::Url { schemes } => format!("{}://user:pw@db-{i}/tasks", schemes[0]),
@@ -722,7 +724,12 @@ fn every_setting_renders_the_value_it_was_given() {
     let env: Vec<(String, String)> = SETTINGS
         .iter()
         .enumerate()
-        .map(|(i, setting)| (setting.variable(), distinct_value(i, setting.allowed)))
+        .map(|(i, setting)| {
+            (
+                setting.variable(),
+                distinct_value(i, setting.allowed, setting.default),
+            )
+        })
         .collect();
     for (setting, (_, value)) in SETTINGS.iter().zip(&env) {
         assert_ne!(

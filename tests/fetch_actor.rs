@@ -61,6 +61,7 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
             backoff: Duration::from_secs(3600),
             queue_timeout: Duration::from_millis(50),
             lease: Duration::from_secs(60),
+            fair_dispatch: true,
             #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },

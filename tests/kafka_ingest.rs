@@ -514,6 +514,7 @@ async fn kafka_to_workers_end_to_end(backend: Backend) {
                 backoff: Duration::from_secs(600), // only wake-ups from the consumer
                 queue_timeout: Duration::from_millis(500),
                 lease: Duration::from_secs(30),
+                fair_dispatch: true,
                 #[cfg(feature = "test-hooks")]
                 release_on_full: true,
             },

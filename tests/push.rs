@@ -256,6 +256,7 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
         buckets: BucketRange::ALL,
         limit: 10,
         lease,
+        fair: true,
     };
     let first = harness
         .store_actor
@@ -360,6 +361,7 @@ async fn concurrent_push_successes_are_combined_into_few_statements() {
             buckets: BucketRange::ALL,
             limit: 200,
             lease: Duration::from_secs(30),
+            fair: true,
         })
         .await
         .unwrap();

@@ -69,6 +69,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(200),
             lease: Duration::from_secs(30),
+            fair_dispatch: true,
             #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },

@@ -119,6 +119,7 @@ on_both_backends!(
     a_killswitch_written_while_tasks_flow_removes_exactly_the_matching_ones,
     a_paused_namespace_holds_its_tasks_until_resumed,
     a_demoted_namespace_reaches_the_demoted_topic_once_stored_or_arriving,
+    weights_in_the_runtime_file_steer_push_claims,
 );
 
 /// Pull mode, so nothing is delivered until the test pulls: `kill` and
@@ -577,4 +578,81 @@ fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
     .err()
     .expect("refused");
     assert!(err.contains("cannot read"), "{err}");
+}
+
+/// Fair dispatch through the StoreActor, weighted by the runtime file: a
+/// flood stored first and two smaller namespaces share each claim by
+/// weight; a new version of the file changes the shares at the next claim;
+/// a fetcher that asks for oldest first (FAIR_DISPATCH=false) gets the
+/// flood only.
+async fn weights_in_the_runtime_file_steer_push_claims(backend: Backend) {
+    use taskbroker::actors::StoreHandle;
+    use taskbroker::actors::store::{ClaimBatch, ReleaseClaims};
+    use taskbroker::model::BucketRange;
+
+    let db = TestStore::new(backend).await;
+    let store = db.store().await;
+    let base = chrono::Utc::now();
+    let mut rows = Vec::new();
+    for (namespace, count) in [("flood", 100), ("small", 5), ("heavy", 20)] {
+        for i in 0..count {
+            let mut row = common::row(&format!("{namespace}-{i}"));
+            row.namespace = namespace.to_owned();
+            row.added_at = base + chrono::TimeDelta::microseconds(rows.len() as i64);
+            rows.push(row);
+        }
+    }
+    common::insert(store.as_ref(), &rows).await;
+    let runtime = RuntimeDir::new();
+    runtime.write("weights: {heavy: 3}\n");
+    let metrics = Arc::new(Metrics::new());
+    let (mut file, rules) = RuntimeFile::open(
+        &runtime.path(),
+        "tasks-long",
+        taskbroker::config::DeliveryMode::Push,
+        Arc::clone(&metrics),
+    )
+    .unwrap();
+    let actor = StoreHandle::start_with_rules(Arc::clone(&store), metrics, rules);
+    let claim = |fair: bool| {
+        let actor = actor.clone();
+        async move {
+            let claimed = actor
+                .call(ClaimBatch {
+                    buckets: BucketRange::ALL,
+                    limit: 10,
+                    lease: Duration::from_secs(60),
+                    fair,
+                })
+                .await
+                .unwrap();
+            let tokens = claimed.iter().map(|c| c.token.clone()).collect();
+            actor.call(ReleaseClaims { claims: tokens }).await.unwrap();
+            let mut counts = std::collections::BTreeMap::new();
+            for claim in &claimed {
+                *counts
+                    .entry(claim.activation.namespace.clone())
+                    .or_insert(0) += 1;
+            }
+            counts.into_iter().collect::<Vec<(String, usize)>>()
+        }
+    };
+    let named = |counts: &[(&str, usize)]| -> Vec<(String, usize)> {
+        counts.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect()
+    };
+    // heavy weighs 3 of 5: 6 of 10 places, the others 2 each.
+    assert_eq!(
+        claim(true).await,
+        named(&[("flood", 2), ("heavy", 6), ("small", 2)]),
+        "{backend:?}"
+    );
+    // small weighs 3 now: its share (6) is more than its 5 tasks; the
+    // place left over goes to the oldest task, the flood's.
+    runtime.write("weights: {small: 3}\n");
+    file.check();
+    assert_eq!(
+        claim(true).await,
+        named(&[("flood", 3), ("heavy", 2), ("small", 5)])
+    );
+    assert_eq!(claim(false).await, named(&[("flood", 10)]));
 }

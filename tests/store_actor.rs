@@ -245,6 +245,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
             buckets: BucketRange::ALL,
             limit: 10,
             lease: Duration::from_secs(60),
+            fair: true,
         })
         .await
     })
@@ -348,6 +349,7 @@ async fn claim(addr: &StoreHandle, limit: usize) -> Vec<taskbroker::model::Claim
         buckets: BucketRange::ALL,
         limit,
         lease: Duration::from_secs(60),
+        fair: true,
     })
     .await
     .expect("claim")

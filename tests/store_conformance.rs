@@ -12,9 +12,9 @@ use chrono::{TimeDelta, Utc};
 use common::{insert, now, row, row_from, rows, task};
 use prost::Message;
 use taskbroker::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, Glob, InflightActivation,
-    Killswitch, NamespaceResult, OnAttemptsExceeded, PauseRule, PublishKind, PullFilter, RetryEdit,
-    StatusUpdate, StatusUpdateOutcome, WorkerStatus,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, Dispatch, Glob,
+    InflightActivation, Killswitch, NamespaceResult, OnAttemptsExceeded, PauseRule, PublishKind,
+    PullFilter, RetryEdit, StatusUpdate, StatusUpdateOutcome, WorkerStatus,
 };
 use taskbroker::proto::TaskActivation;
 use taskbroker::store::{ActivationStore, PostgresStore, PostgresStoreConfig, StoreError};
@@ -107,6 +107,8 @@ conformance!(
     killswitch_patterns_take_sql_wildcards_literally,
     demoted_rows_are_taken_under_a_lease_and_removed_once_forwarded,
     limited_claims_never_exceed_the_limit_even_when_claimers_race,
+    fair_claims_share_the_batch_between_namespaces_by_weight,
+    fair_claims_fill_the_batch_and_keep_to_the_bucket_range,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1469,17 +1471,23 @@ async fn insert_pause_rows(store: &Store) {
 
 async fn claims_leave_out_paused_applications_and_namespaces(store: Store) {
     insert_pause_rows(&store).await;
+    // Both ways of choosing rows leave the same ones out.
     let claim = |paused: Vec<PauseRule>| {
         let store = Arc::clone(&store);
         async move {
-            let claimed = store
-                .claim_for_push_except(BucketRange::ALL, 100, LEASE, &paused)
-                .await
-                .expect("claim");
-            let mut got = ids(&claimed);
-            got.sort();
-            store.release_claims(&tokens(&claimed)).await.unwrap();
-            got
+            let mut answers = Vec::new();
+            for dispatch in [Dispatch::OldestFirst, Dispatch::Fair(&[])] {
+                let claimed = store
+                    .claim_for_push_except(BucketRange::ALL, 100, LEASE, &paused, dispatch)
+                    .await
+                    .expect("claim");
+                let mut got = ids(&claimed);
+                got.sort();
+                store.release_claims(&tokens(&claimed)).await.unwrap();
+                answers.push(got);
+            }
+            assert_eq!(answers[0], answers[1], "oldest first, then fair");
+            answers.remove(0)
         }
     };
     // An application, a namespace, a pair, and everything.
@@ -1789,4 +1797,118 @@ async fn limited_claims_never_exceed_the_limit_even_when_claimers_race(store: St
         2,
         "bounded by the batch"
     );
+}
+
+/// Rows `{namespace}-{i}` of application "app", the namespaces' rows
+/// stored one after the other (so oldest first would take `first` only).
+async fn insert_flows(store: &Store, flows: &[(&str, usize)]) {
+    let base = now();
+    let mut rows = Vec::new();
+    for (namespace, count) in flows {
+        for i in 0..*count {
+            let mut row = row_of(&format!("{namespace}-{i}"), "app", namespace, "t");
+            row.added_at = base + TimeDelta::microseconds(rows.len() as i64);
+            rows.push(row);
+        }
+    }
+    insert(store.as_ref(), &rows).await;
+}
+
+/// How many of `claimed` belong to each namespace, by name.
+fn per_namespace(claimed: &[ClaimedActivation]) -> Vec<(String, usize)> {
+    let mut counts = std::collections::BTreeMap::new();
+    for claim in claimed {
+        *counts
+            .entry(claim.activation.namespace.clone())
+            .or_insert(0) += 1;
+    }
+    counts.into_iter().collect()
+}
+
+async fn fair_claims_share_the_batch_between_namespaces_by_weight(store: Store) {
+    // A flood stored first, then two namespaces with a few tasks each.
+    insert_flows(&store, &[("flood", 100), ("small", 5), ("heavy", 20)]).await;
+    let claim = |dispatch| {
+        let store = Arc::clone(&store);
+        async move {
+            let claimed = store
+                .claim_for_push_except(BucketRange::ALL, 10, LEASE, &[], dispatch)
+                .await
+                .expect("claim");
+            store.release_claims(&tokens(&claimed)).await.unwrap();
+            claimed
+        }
+    };
+    let oldest = claim(Dispatch::OldestFirst).await;
+    assert_eq!(per_namespace(&oldest), [("flood".to_owned(), 10)]);
+    // Equal weights: ⌈10 / 3⌉ each, interleaved, the first 10 kept.
+    let equal = claim(Dispatch::Fair(&[])).await;
+    let equal_counts = per_namespace(&equal);
+    assert_eq!(equal.len(), 10);
+    assert!(
+        equal_counts.iter().all(|(_, n)| (3..=4).contains(n)),
+        "{equal_counts:?}"
+    );
+    // heavy weighs 3 of 5: 6 places, the others 2 each.
+    let weights = [("heavy".to_owned(), 3)];
+    let weighted = claim(Dispatch::Fair(&weights)).await;
+    assert_eq!(
+        per_namespace(&weighted),
+        [
+            ("flood".to_owned(), 2),
+            ("heavy".to_owned(), 6),
+            ("small".to_owned(), 2)
+        ]
+    );
+    // Each namespace's own tasks still go oldest first.
+    let mut heavy: Vec<String> = ids(&weighted)
+        .into_iter()
+        .filter(|id| id.starts_with("heavy"))
+        .collect();
+    heavy.sort();
+    assert_eq!(
+        heavy,
+        (0..6).map(|i| format!("heavy-{i}")).collect::<Vec<_>>()
+    );
+}
+
+async fn fair_claims_fill_the_batch_and_keep_to_the_bucket_range(store: Store) {
+    insert_flows(&store, &[("flood", 200), ("small", 1)]).await;
+    // The small namespace's one task leaves most of its share unused: the
+    // flood fills the batch, oldest first.
+    let claimed = store
+        .claim_for_push_except(BucketRange::ALL, 10, LEASE, &[], Dispatch::Fair(&[]))
+        .await
+        .unwrap();
+    assert_eq!(
+        per_namespace(&claimed),
+        [("flood".to_owned(), 9), ("small".to_owned(), 1)]
+    );
+    let flood: Vec<String> = ids(&claimed)
+        .into_iter()
+        .filter(|id| id.starts_with("flood"))
+        .collect();
+    assert_eq!(
+        flood,
+        (0..9).map(|i| format!("flood-{i}")).collect::<Vec<_>>()
+    );
+    // A fetcher's half of the buckets: only rows there, still a full batch.
+    let half = BucketRange::slice(1, 2);
+    let claimed = store
+        .claim_for_push_except(half, 20, LEASE, &[], Dispatch::Fair(&[]))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 20);
+    assert!(
+        claimed
+            .iter()
+            .all(|c| (half.first..=half.last).contains(&c.activation.bucket)),
+        "every row in the fetcher's buckets"
+    );
+    // Nothing is claimed twice: the rows left are exactly the others.
+    let rest = store
+        .claim_for_push_except(BucketRange::ALL, 1000, LEASE, &[], Dispatch::Fair(&[]))
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 201 - 10 - 20);
 }

@@ -72,6 +72,8 @@ pub struct FetchConfig {
     pub backoff: Duration,
     pub queue_timeout: Duration,
     pub lease: Duration,
+    /// Interleave namespaces by weight (FAIR_DISPATCH), else oldest first.
+    pub fair_dispatch: bool,
     /// Exists only in a `test-hooks` build, for the stranded-claim benchmark
     /// and its test (`TASKBROKER_TEST_DISABLE_RELEASE_ON_FULL`): `false`
     /// keeps the claims of a batch that cannot be submitted until their
@@ -266,6 +268,7 @@ impl Submitter {
                 buckets: self.buckets,
                 limit: self.config.batch_size,
                 lease: self.config.lease,
+                fair: self.config.fair_dispatch,
             })
             .await;
         let claimed = match claimed {

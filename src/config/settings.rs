@@ -302,6 +302,13 @@ settings! {
         render: text,
         description: "Most Pending activations a FetchActor claims in one statement.",
     },
+    fair_dispatch: bool = FAIR_DISPATCH {
+        default: "true",
+        allowed: Allowed::Bool,
+        secret: false,
+        render: text,
+        description: "Push claims interleave namespaces: each (application, namespace) with Pending tasks gets a share of every batch in proportion to its weight (`weights` in the runtime file; 1 unless listed), so a flood in one namespace does not delay the others; shares left unused are filled oldest first. `false`: oldest first, whatever the namespace. Pull mode always hands out the oldest match.",
+    },
     fetch_backoff: Duration = FETCH_BACKOFF_MS {
         default: "100",
         allowed: Allowed::Millis { min: 1, max: 60_000 },

@@ -28,4 +28,6 @@ pub use row::{
     ActivationStatus, BUCKET_COUNT, BucketRange, InflightActivation, OnAttemptsExceeded,
     bucket_for_id,
 };
-pub use rules::{Glob, Killswitch, PauseRule, TaskRules};
+pub use rules::{
+    Dispatch, Glob, Killswitch, PauseRule, TaskRules, fair_shares, interleave, weight_of,
+};

@@ -150,6 +150,9 @@ pub struct TaskRules {
     /// Namespaces with at most this many tasks in flight (Claimed or
     /// Processing) across every broker sharing the store.
     pub concurrency_limits: Arc<[(String, u32)]>,
+    /// Push dispatch weights per namespace (`weights`); a namespace not
+    /// listed weighs 1.
+    pub weights: Arc<[(String, u32)]>,
     /// What the ordinary claims leave out: the paused rules, every demoted
     /// namespace (its stored rows wait for upkeep to forward them) and
     /// every limited namespace (claimed by their own, counted claims).
@@ -195,6 +198,57 @@ impl TaskRules {
     pub fn demoted(&self, namespace: &str, topic: &str) -> bool {
         topic != &*self.demoted_topic && self.demoted_namespaces.iter().any(|n| n == namespace)
     }
+}
+
+/// How a push claim chooses among the tasks waiting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dispatch<'a> {
+    /// Oldest `added_at` first, whatever its namespace.
+    OldestFirst,
+    /// Across namespaces: every flow (application and namespace) with
+    /// Pending tasks gets a share of the batch in proportion to its weight
+    /// (as listed, else 1), its own tasks oldest first, the flows
+    /// interleaved by turn; what the shares leave unused is filled oldest
+    /// first, so a batch is as full as before.
+    Fair(&'a [(String, u32)]),
+}
+
+/// The weight of `namespace`: as listed, else 1.
+pub fn weight_of(weights: &[(String, u32)], namespace: &str) -> u32 {
+    weights
+        .iter()
+        .find(|(listed, _)| listed == namespace)
+        .map_or(1, |(_, weight)| *weight)
+}
+
+/// Each flow's share of a batch of `limit`: ⌈limit × weight / total⌉, so
+/// every flow with a weight gets at least one place.
+pub fn fair_shares(limit: usize, weights: &[u32]) -> Vec<usize> {
+    let total: u64 = weights.iter().map(|&weight| u64::from(weight)).sum();
+    weights
+        .iter()
+        .map(|&weight| {
+            let share = (limit as u64 * u64::from(weight)).div_ceil(total.max(1));
+            usize::try_from(share).unwrap_or(limit).min(limit)
+        })
+        .collect()
+}
+
+/// Interleaves the flows' heads (each oldest first, at most its share) and
+/// keeps the first `limit`: the k-th task of a flow of weight w takes its
+/// turn at k / w, ties in the order of `tiebreak` (per flow; random in the
+/// stores, so no flow always wins a tie).
+pub fn interleave<T>(flows: Vec<(u32, Vec<T>)>, limit: usize, tiebreak: &[u64]) -> Vec<T> {
+    let mut turns: Vec<(f64, u64, T)> = Vec::new();
+    for (index, (weight, heads)) in flows.into_iter().enumerate() {
+        let tie = tiebreak.get(index).copied().unwrap_or(index as u64);
+        for (rank, item) in heads.into_iter().enumerate() {
+            turns.push(((rank + 1) as f64 / f64::from(weight.max(1)), tie, item));
+        }
+    }
+    turns.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    turns.truncate(limit);
+    turns.into_iter().map(|(_, _, item)| item).collect()
 }
 
 #[cfg(test)]
@@ -265,5 +319,36 @@ mod tests {
             namespace: None,
         };
         assert!(all.matches("", "x"));
+    }
+
+    #[test]
+    fn shares_follow_the_weights_and_give_every_flow_a_place() {
+        assert_eq!(fair_shares(64, &[1]), [64]);
+        assert_eq!(fair_shares(64, &[1, 1]), [32, 32]);
+        assert_eq!(fair_shares(64, &[3, 1]), [48, 16]);
+        assert_eq!(fair_shares(10, &[1, 1, 1]), [4, 4, 4]);
+        // More flows than places: one each (the interleave keeps `limit`).
+        assert_eq!(fair_shares(2, &[1, 1, 1, 1000]), [1, 1, 1, 2]);
+        assert!(fair_shares(64, &[]).is_empty());
+    }
+
+    #[test]
+    fn interleaving_takes_turns_by_weight() {
+        let flows = vec![
+            (1, vec!["b1", "b2", "b3", "b4"]),
+            (1, vec!["s1", "s2"]),
+            (2, vec!["h1", "h2", "h3", "h4"]),
+        ];
+        // Turns: h1 0.5; b1 s1 h2 1; h3 1.5; b2 s2 h4 2; b3 3 ...
+        assert_eq!(
+            interleave(flows.clone(), 6, &[2, 1, 0]),
+            ["h1", "h2", "s1", "b1", "h3", "h4"]
+        );
+        assert_eq!(
+            interleave(flows, 100, &[0, 1, 2]),
+            ["h1", "b1", "s1", "h2", "h3", "b2", "s2", "h4", "b3", "b4"]
+        );
+        assert_eq!(weight_of(&[("a".to_owned(), 5)], "a"), 5);
+        assert_eq!(weight_of(&[("a".to_owned(), 5)], "b"), 1);
     }
 }

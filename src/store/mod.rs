@@ -24,7 +24,7 @@ pub use view::{GroupCount, Inspection, NearExpiry, StoreView};
 // The values the store's operations take and answer belong to the domain
 // and are imported from `crate::model` by everyone, the store included.
 use crate::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
     InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter, RetryEdit,
     StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
@@ -218,18 +218,26 @@ pub trait ActivationStore: Send + Sync + 'static {
         limit: usize,
         lease: Duration,
     ) -> StoreResult<Vec<ClaimedActivation>> {
-        self.claim_for_push_except(buckets, limit, lease, &[]).await
+        self.claim_for_push_except(buckets, limit, lease, &[], Dispatch::OldestFirst)
+            .await
     }
 
     /// `claim_for_push`, leaving out rows any of the `paused` rules match
-    /// (they stay Pending, untouched). With no rules it is the same
-    /// statement as `claim_for_push`.
+    /// (they stay Pending, untouched), choosing the rows as `dispatch`
+    /// says. Oldest first with no rules is the same statement as
+    /// `claim_for_push`. Fair dispatch reads the flows (application and
+    /// namespace) with Pending rows from their index, one probe each, takes
+    /// each flow's share of the batch oldest first, interleaves them by
+    /// weighted turn (ties in random order) and fills what the shares left
+    /// unused oldest first, all in one statement (PostgreSQL) or one write
+    /// (SQLite).
     async fn claim_for_push_except(
         &self,
         buckets: BucketRange,
         limit: usize,
         lease: Duration,
         paused: &[PauseRule],
+        dispatch: Dispatch<'_>,
     ) -> StoreResult<Vec<ClaimedActivation>>;
 
     /// Push mode, a namespace under a concurrency limit: claims up to

@@ -85,6 +85,7 @@ pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(500),
             lease: Duration::from_secs(30),
+            fair_dispatch: true,
             #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },

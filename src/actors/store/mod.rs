@@ -30,8 +30,8 @@ use actix::prelude::*;
 
 use crate::metrics::Metrics;
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, InflightActivation, Killswitch,
-    NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate, TaskRules,
+    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch, InflightActivation,
+    Killswitch, NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate, TaskRules,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
@@ -40,17 +40,29 @@ use crate::store::{ActivationStore, StoreError, StoreResult};
 /// concurrency limit first, up to the room its limit leaves (counted
 /// claims, every bucket), then the ordinary claim of the bucket range for
 /// the rest of the batch, leaving out paused, demoted and limited
-/// namespaces. Rows already claimed are answered even when a later step
-/// fails, so no claim is stranded.
+/// namespaces, fairly across namespaces unless the fetcher asks for oldest
+/// first. Rows already claimed are answered even when a later step fails,
+/// so no claim is stranded.
 async fn claim_batch(
     store: &dyn ActivationStore,
     msg: ClaimBatch,
     rules: TaskRules,
 ) -> StoreResult<Vec<ClaimedActivation>> {
+    let dispatch = if msg.fair {
+        Dispatch::Fair(&rules.weights)
+    } else {
+        Dispatch::OldestFirst
+    };
     if rules.concurrency_limits.is_empty() {
-        // The common case: one statement, as without rules.
+        // The common case: one statement.
         return store
-            .claim_for_push_except(msg.buckets, msg.limit, msg.lease, &rules.unclaimable)
+            .claim_for_push_except(
+                msg.buckets,
+                msg.limit,
+                msg.lease,
+                &rules.unclaimable,
+                dispatch,
+            )
             .await;
     }
     let mut claimed = Vec::new();
@@ -69,7 +81,13 @@ async fn claim_batch(
             Some((namespace, max)) => store.claim_limited(namespace, max, room, msg.lease).await,
             None => {
                 store
-                    .claim_for_push_except(msg.buckets, room, msg.lease, &rules.unclaimable)
+                    .claim_for_push_except(
+                        msg.buckets,
+                        room,
+                        msg.lease,
+                        &rules.unclaimable,
+                        dispatch,
+                    )
                     .await
             }
         };
@@ -189,8 +207,9 @@ store_messages! {
         "insert_batch", |store, msg| store.insert_batch(&msg.rows);
 
     /// Claim Pending rows for push delivery under the operators' rules (see
-    /// [`claim_batch`]).
-    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration } -> Vec<ClaimedActivation>,
+    /// [`claim_batch`]); `fair`: interleave namespaces by weight, else
+    /// oldest first.
+    ClaimBatch { buckets: BucketRange, limit: usize, lease: Duration, fair: bool } -> Vec<ClaimedActivation>,
         "claim_for_push", |store, msg, rules| claim_batch(store, msg, rules);
 
     /// Pull mode: hand the oldest matching Pending row to a worker, leaving

@@ -68,6 +68,9 @@ pub struct Seen {
     pub accepted: Mutex<Vec<String>>,
     /// Every callback_url received.
     pub callback_urls: Mutex<HashSet<String>>,
+    /// Each push as it arrived: the task's namespace and milliseconds from
+    /// its `received_at` to the arrival (the load harness's latency).
+    pub arrivals: Mutex<Vec<(String, f64)>>,
     first_deliveries: Mutex<HashSet<String>>,
 }
 
@@ -198,6 +201,15 @@ impl WorkerService for Handler {
         let task = request
             .task
             .ok_or_else(|| Status::invalid_argument("no task"))?;
+        if let Some(received) = &task.received_at {
+            let received_us = received.seconds as f64 * 1e6 + f64::from(received.nanos) / 1e3;
+            let waited_ms = (chrono::Utc::now().timestamp_micros() as f64 - received_us) / 1e3;
+            self.seen
+                .arrivals
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((task.namespace.clone(), waited_ms));
+        }
         let id = task.id.clone();
         let callback_url = request.callback_url.clone();
         self.seen

@@ -26,7 +26,7 @@ use self::sql::*;
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
     InflightActivation, Killswitch, NamespaceCount, NamespaceResult, PauseRule, PublishKind,
     PullFilter, StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
@@ -288,6 +288,7 @@ impl ActivationStore for PostgresStore {
         limit_rows: usize,
         lease: Duration,
         paused: &[PauseRule],
+        dispatch: Dispatch<'_>,
     ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
@@ -299,7 +300,34 @@ impl ActivationStore for PostgresStore {
             limit(limit_rows),
             micros(lease),
         );
-        let rows = if paused.is_empty() {
+        let rows = if let Dispatch::Fair(weights) = dispatch {
+            let (applications, namespaces) = pause_columns(paused);
+            let (weighted, weights): (Vec<&str>, Vec<i32>) = weights
+                .iter()
+                .map(|(namespace, weight)| {
+                    (
+                        namespace.as_str(),
+                        i32::try_from(*weight).unwrap_or(i32::MAX),
+                    )
+                })
+                .unzip();
+            self.query(
+                &self.replayable,
+                OP,
+                CLAIM_FOR_PUSH_FAIR,
+                &[
+                    &first,
+                    &last,
+                    &limit_rows,
+                    &lease,
+                    &applications,
+                    &namespaces,
+                    &weighted,
+                    &weights,
+                ],
+            )
+            .await?
+        } else if paused.is_empty() {
             self.query(
                 &self.replayable,
                 OP,

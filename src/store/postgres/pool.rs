@@ -44,16 +44,22 @@ pub(super) fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> St
         .wait_timeout(Some(config.connect_timeout))
         .create_timeout(Some(config.connect_timeout))
         .recycle_timeout(Some(config.connect_timeout));
-    if async_commit {
-        builder = builder.post_create(Hook::async_fn(|client, _| {
-            Box::pin(async move {
-                client
-                    .batch_execute("SET synchronous_commit = off")
-                    .await
-                    .map_err(HookError::Backend)
-            })
-        }));
-    }
+    // Every statement the broker runs is bounded and takes a millisecond
+    // or so; JIT compiling one whose estimate crosses `jit_above_cost` (the
+    // fair claim's can) costs tens of milliseconds, so sessions turn it off.
+    let settings = if async_commit {
+        "SET jit = off; SET synchronous_commit = off"
+    } else {
+        "SET jit = off"
+    };
+    builder = builder.post_create(Hook::async_fn(move |client, _| {
+        Box::pin(async move {
+            client
+                .batch_execute(settings)
+                .await
+                .map_err(HookError::Backend)
+        })
+    }));
     builder
         .build()
         .map_err(|err| StoreError::Config(format!("cannot build connection pool: {err}")))

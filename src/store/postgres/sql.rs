@@ -89,6 +89,64 @@ macro_rules! claim_for_push {
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
 pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$5", "$6"));
 
+// Fair dispatch ($5, $6: paused rules as above; $7, $8: namespaces and
+// their weights, others weigh 1). `flows` walks the distinct (application,
+// namespace) pairs with Pending rows through their index, one probe each;
+// each flow not paused locks ⌈$3 × weight / total⌉ of its oldest rows in
+// the bucket range; those are interleaved by turn (rank / weight, ties in
+// random order) and the first $3 kept; `fill` tops the batch up oldest
+// first. Rows a flow locked beyond the first $3 stay Pending (`fill` may
+// still take them); the shares exceed $3 by fewer rows than there are flows.
+// A flow's rows are named by a range of (application, namespace, added_at)
+// rather than by equality, so that only the flow index
+// (inflight_pending_by_flow) gives their order: with equality the planner
+// may walk inflight_pending_by_age instead, which for a small namespace
+// behind a flood reads the whole flood first.
+pub(super) const CLAIM_FOR_PUSH_FAIR: &str = concat!(
+    "WITH RECURSIVE flows AS ( \
+       (SELECT application, namespace FROM inflight_taskactivations \
+          WHERE status = 'Pending' ORDER BY application, namespace LIMIT 1) \
+       UNION ALL \
+       SELECT next.application, next.namespace FROM flows f CROSS JOIN LATERAL ( \
+         SELECT t.application, t.namespace FROM inflight_taskactivations t \
+          WHERE t.status = 'Pending' \
+            AND (t.application, t.namespace) > (f.application, f.namespace) \
+          ORDER BY t.application, t.namespace LIMIT 1) AS next), \
+     weighted AS (SELECT f.application, f.namespace, COALESCE(w.weight, 1)::float8 AS weight \
+       FROM flows f LEFT JOIN unnest($7::text[], $8::int4[]) AS w(namespace, weight) \
+         ON w.namespace = f.namespace \
+       WHERE NOT EXISTS (SELECT 1 FROM unnest($5::text[], $6::text[]) AS p(application, namespace) \
+         WHERE (p.application IS NULL OR p.application = f.application) \
+           AND (p.namespace IS NULL OR p.namespace = f.namespace))), \
+     shares AS (SELECT application, namespace, weight, \
+         ceil($3::int8 * weight / sum(weight) OVER ())::int8 AS share FROM weighted), \
+     fair AS MATERIALIZED (SELECT head.id FROM shares s CROSS JOIN LATERAL ( \
+         SELECT id, row_number() OVER (ORDER BY added_at) AS turn FROM ( \
+           SELECT id, added_at FROM inflight_taskactivations t \
+            WHERE t.status = 'Pending' \
+              AND (t.application, t.namespace, t.added_at) \
+                  > (s.application, s.namespace, '-infinity'::timestamptz) \
+              AND (t.application, t.namespace, t.added_at) \
+                  < (s.application, s.namespace, 'infinity'::timestamptz) \
+              AND t.bucket BETWEEN $1 AND $2 \
+              AND (t.expires_at IS NULL OR t.expires_at > now()) \
+            ORDER BY t.application, t.namespace, t.added_at LIMIT s.share \
+            FOR UPDATE SKIP LOCKED) AS oldest) AS head \
+       ORDER BY head.turn / s.weight, random() LIMIT $3), \
+     fill AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
+        WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
+          AND (expires_at IS NULL OR expires_at > now())",
+    not_paused!("$5", "$6"),
+    " AND id NOT IN (SELECT id FROM fair) \
+        ORDER BY added_at LIMIT $3 - (SELECT count(*) FROM fair) FOR UPDATE SKIP LOCKED) \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+       claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
+                                   t.claim_expires_at + interval '1 microsecond') \
+     FROM (SELECT id FROM fair UNION ALL SELECT id FROM fill) AS picked \
+     WHERE t.id = picked.id RETURNING ",
+    columns!(t)
+);
+
 // Concurrency limits: under a transaction-scoped advisory lock on the
 // namespace (so two brokers never count and claim at once), count its rows
 // in flight, then claim at most the room left, all bucket ranges.

@@ -44,13 +44,14 @@ mod sql;
 mod writer;
 
 use std::collections::HashSet;
+use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use self::exec::{apply_report, execute, exists, fenced, query_rows, sql_error};
@@ -62,9 +63,9 @@ use self::writer::{Command, WriteJob, open_writer, reclaim_free_pages, writer_go
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome,
+    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
     InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
-    StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    StatusCounts, StatusUpdate, StatusUpdateOutcome, fair_shares, interleave, weight_of,
 };
 
 mod embedded {
@@ -435,18 +436,34 @@ impl ActivationStore for SqliteStore {
         limit_rows: usize,
         lease: Duration,
         paused: &[PauseRule],
+        dispatch: Dispatch<'_>,
     ) -> StoreResult<Vec<ClaimedActivation>> {
         const OP: &str = "claim_for_push";
         if limit_rows == 0 {
             return Ok(Vec::new());
         }
         let lease = duration_micros(lease);
+        let fair = match dispatch {
+            Dispatch::OldestFirst => None,
+            Dispatch::Fair(weights) => Some((weights.to_vec(), paused.to_vec())),
+        };
         let paused = (!paused.is_empty()).then(|| json_pause_rules(paused));
         self.write(OP, false, move |connection| {
             let now = now_micros();
-            let (first, last, limit_rows) = (buckets.first, buckets.last, limit(limit_rows));
             let expiry = now.saturating_add(lease);
-            let claimed = match &paused {
+            let mut claimed = Vec::new();
+            if let Some((weights, paused)) = &fair {
+                claimed = claim_fair(
+                    connection, buckets, limit_rows, expiry, now, weights, paused,
+                )?;
+            }
+            let room = limit_rows.saturating_sub(claimed.len());
+            if room == 0 {
+                return claimed_rows(claimed);
+            }
+            // Oldest first: the whole claim, or what fair shares left.
+            let (first, last, limit_rows) = (buckets.first, buckets.last, limit(room));
+            claimed.extend(match &paused {
                 None => query_rows(
                     connection,
                     OP,
@@ -459,7 +476,7 @@ impl ActivationStore for SqliteStore {
                     CLAIM_FOR_PUSH_UNPAUSED,
                     params![first, last, limit_rows, expiry, now, paused],
                 )?,
-            };
+            });
             claimed_rows(claimed)
         })
         .await
@@ -916,6 +933,84 @@ impl ActivationStore for SqliteStore {
 /// Paused rules as the JSON parameter of the `_UNPAUSED` claims: one
 /// `[application, namespace]` pair per rule, "" for "any" (a rule never
 /// names an empty one).
+/// Fair dispatch's share of a claim (see `ActivationStore::
+/// claim_for_push_except`): every flow's oldest rows up to its share,
+/// interleaved by weighted turn, claimed. The caller fills the rest.
+fn claim_fair(
+    connection: &Connection,
+    buckets: BucketRange,
+    limit_rows: usize,
+    expiry: i64,
+    now: i64,
+    weights: &[(String, u32)],
+    paused: &[PauseRule],
+) -> StoreResult<Vec<InflightActivation>> {
+    const OP: &str = "claim_for_push";
+    let failed = |e| sql_error(OP, e);
+    let mut flows: Vec<(String, String)> = Vec::new();
+    loop {
+        let next = match flows.last() {
+            None => connection.prepare_cached(FIRST_FLOW).and_then(|mut s| {
+                s.query_row([], |row| Ok((row.get(0)?, row.get(1)?)))
+                    .optional()
+            }),
+            Some((application, namespace)) => {
+                connection.prepare_cached(NEXT_FLOW).and_then(|mut s| {
+                    s.query_row(params![application, namespace], |row| {
+                        Ok((row.get(0)?, row.get(1)?))
+                    })
+                    .optional()
+                })
+            }
+        }
+        .map_err(failed)?;
+        match next {
+            Some(flow) => flows.push(flow),
+            None => break,
+        }
+    }
+    flows.retain(|(application, namespace)| {
+        !paused
+            .iter()
+            .any(|rule| rule.matches(application, namespace))
+    });
+    let flow_weights: Vec<u32> = flows
+        .iter()
+        .map(|(_, namespace)| weight_of(weights, namespace))
+        .collect();
+    let shares = fair_shares(limit_rows, &flow_weights);
+    let mut heads = Vec::with_capacity(flows.len());
+    let mut statement = connection.prepare_cached(FLOW_HEADS).map_err(failed)?;
+    for (((application, namespace), weight), share) in flows.iter().zip(&flow_weights).zip(shares) {
+        let ids = statement
+            .query_map(
+                params![
+                    application,
+                    namespace,
+                    buckets.first,
+                    buckets.last,
+                    now,
+                    limit(share)
+                ],
+                |row| row.get::<_, String>(0),
+            )
+            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+            .map_err(failed)?;
+        heads.push((*weight, ids));
+    }
+    // Ties between flows go a different way on every claim.
+    let random = std::collections::hash_map::RandomState::new();
+    let tiebreak: Vec<u64> = (0..heads.len())
+        .map(|index| random.hash_one(index))
+        .collect();
+    let chosen = interleave(heads, limit_rows, &tiebreak);
+    if chosen.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids = json_strings(chosen.iter().map(String::as_str));
+    query_rows(connection, OP, CLAIM_IDS, params![ids, expiry])
+}
+
 fn json_pause_rules(paused: &[PauseRule]) -> String {
     json_pairs(paused.iter().map(|rule| {
         (

@@ -60,6 +60,30 @@ macro_rules! claim_for_push {
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
 pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?6"));
 
+// Fair dispatch, step by step in one write: the flows (application,
+// namespace) with Pending rows, one index probe each (`?1`, `?2` the flow
+// before); a flow's oldest rows in the bucket range (`?3`, `?4`; `?5` now,
+// `?6` its share); then the interleaved ids (`?1`, a JSON array) claimed
+// (`?2` the new claim expiry) while still Pending.
+pub(super) const FIRST_FLOW: &str = "SELECT application, namespace \
+     FROM inflight_taskactivations WHERE status = 'Pending' \
+     ORDER BY application, namespace LIMIT 1";
+pub(super) const NEXT_FLOW: &str = "SELECT application, namespace \
+     FROM inflight_taskactivations \
+     WHERE status = 'Pending' AND (application, namespace) > (?1, ?2) \
+     ORDER BY application, namespace LIMIT 1";
+pub(super) const FLOW_HEADS: &str = "SELECT id FROM inflight_taskactivations \
+     WHERE status = 'Pending' AND application = ?1 AND namespace = ?2 \
+       AND bucket BETWEEN ?3 AND ?4 AND (expires_at IS NULL OR expires_at > ?5) \
+     ORDER BY added_at LIMIT ?6";
+pub(super) const CLAIM_IDS: &str = concat!(
+    "UPDATE inflight_taskactivations \
+       SET status = 'Claimed', claim_expires_at = max(?2, coalesce(claim_expires_at + 1, 0)) \
+     WHERE id IN (SELECT value FROM json_each(?1)) AND status = 'Pending' \
+     RETURNING ",
+    columns!()
+);
+
 // Concurrency limits (the single writer makes count-then-claim atomic):
 // `?1` namespace; then `?2` limit, `?3` claim expiry, `?4` now.
 pub(super) const COUNT_NAMESPACE_IN_FLIGHT: &str = "SELECT count(*) \

@@ -140,6 +140,17 @@ struct PushArgs {
     /// Asynchronous commit for replayable transitions (DB_ASYNC_COMMIT).
     #[arg(long)]
     async_commit: bool,
+    /// Claim oldest first (FAIR_DISPATCH=false) instead of interleaving
+    /// namespaces.
+    #[arg(long)]
+    oldest_first: bool,
+    /// Tasks of a second namespace ("small") stored one at a time while
+    /// the backlog drains; their received → pushed latency is reported.
+    #[arg(long, default_value_t = 0)]
+    small: usize,
+    /// Rate of the small namespace's tasks, per second.
+    #[arg(long, default_value_t = 200)]
+    small_rate: u32,
     /// Server to create the scratch database on.
     #[arg(
         long,
@@ -476,7 +487,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
 fn bench_activation() -> TaskActivation {
     TaskActivation {
         id: uuid::Uuid::new_v4().simple().to_string(),
-        namespace: "bench".to_owned(),
+        namespace: BACKLOG_NAMESPACE.to_owned(),
         taskname: "bench.noop".to_owned(),
         parameters_bytes: vec![0x80; 64],
         retry_state: Some(RetryState {
@@ -487,6 +498,73 @@ fn bench_activation() -> TaskActivation {
         application: Some("bench".to_owned()),
         ..Default::default()
     }
+}
+
+/// The namespace of the `push` scenario's backlog; its trickle is `small`.
+const BACKLOG_NAMESPACE: &str = "bench";
+const SMALL_NAMESPACE: &str = "small";
+
+/// Stores `count` tasks of the small namespace one at a time, `rate` per
+/// second, each received as it is stored, and wakes the fetchers after
+/// each (as the consumer does).
+async fn trickle(
+    store: &PostgresStore,
+    count: usize,
+    rate: u32,
+    wake: impl Fn(),
+) -> Result<(), String> {
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate.max(1))));
+    for i in 0..count {
+        ticks.tick().await;
+        let received = chrono::Utc::now();
+        let mut activation = bench_activation();
+        activation.namespace = SMALL_NAMESPACE.to_owned();
+        activation.received_at = Some(prost_types::Timestamp {
+            seconds: received.timestamp(),
+            nanos: received.timestamp_subsec_nanos() as i32,
+        });
+        let bytes = prost::Message::encode_to_vec(&activation);
+        let position = KafkaPosition {
+            topic: "bench-small".to_owned(),
+            partition: 0,
+            offset: i as i64,
+        };
+        let row = inflight_from_record(&bytes, position, received, Duration::ZERO)
+            .map_err(|e| e.to_string())?;
+        store
+            .insert_batch(&[row])
+            .await
+            .map_err(|e| e.to_string())?;
+        wake();
+    }
+    Ok(())
+}
+
+/// p50 and p99 of the small namespace's received → pushed, in ms, as the
+/// workers saw the pushes arrive.
+fn small_latency(workers: &[DemoWorker]) -> (f64, f64) {
+    let mut waits: Vec<f64> = workers
+        .iter()
+        .flat_map(|worker| {
+            worker
+                .seen
+                .arrivals
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .filter(|(namespace, _)| namespace == SMALL_NAMESPACE)
+                .map(|(_, waited)| *waited)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    waits.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        waits
+            .get(((waits.len() as f64 * q).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    (at(0.5), at(0.99))
 }
 
 async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
@@ -526,6 +604,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(2000),
             lease: Duration::from_secs(60),
+            fair_dispatch: !args.oldest_first,
             #[cfg(feature = "test-hooks")]
             release_on_full: true,
         },
@@ -546,14 +625,22 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
     let started = Instant::now();
     let cpu_before = cpu_seconds();
     let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics))?;
-    let target = args.tasks as u64;
-    loop {
-        let pushed = Metrics::count(&metrics.pushes, "ok");
-        if pushed >= target {
-            break;
+    let target = (args.tasks + args.small) as u64;
+    let drained = async {
+        loop {
+            let pushed = Metrics::count(&metrics.pushes, "ok");
+            if pushed >= target {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
+    let (small, ()) = tokio::join!(
+        trickle(store.as_ref(), args.small, args.small_rate, || pipeline
+            .wake()),
+        drained
+    );
+    small?;
     let drain_secs = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu_before;
     pipeline.stop().await;
@@ -580,6 +667,20 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
         drain_secs,
         args.tasks as f64 / drain_secs
     );
+    if args.small > 0 {
+        let (p50, p99) = small_latency(&workers);
+        println!(
+            "  small namespace: {} tasks at {}/s beside the backlog ({}): \
+             received -> pushed p50 {p50:.1} ms, p99 {p99:.1} ms",
+            args.small,
+            args.small_rate,
+            if args.oldest_first {
+                "oldest first"
+            } else {
+                "fair dispatch"
+            },
+        );
+    }
     println!(
         "  push RPC latency: p50 {:.2} ms, p99 {:.2} ms",
         ms(0.5),

@@ -872,20 +872,24 @@ impl Metrics {
 
     /// Counts the reports a status write applied, per namespace: under its
     /// own name while the per-namespace gauges show it, else as `other`.
-    pub fn record_namespace_results(&self, results: &[crate::model::NamespaceResult]) {
+    /// `results` are (namespace, status label, reports).
+    pub fn record_namespace_results<'a>(
+        &self,
+        results: impl IntoIterator<Item = (&'a str, &'a str, u64)>,
+    ) {
         let shown = self
             .shown_namespaces
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for result in results {
-            let namespace = if shown.contains(&result.namespace) {
-                result.namespace.as_str()
+        for (namespace, status, count) in results {
+            let namespace = if shown.contains(namespace) {
+                namespace
             } else {
                 labels::OTHER_NAMESPACES
             };
             self.namespace_results
-                .with_label_values(&[namespace, result.status.metric_label()])
-                .inc_by(result.count);
+                .with_label_values(&[namespace, status])
+                .inc_by(count);
         }
     }
 

@@ -408,6 +408,12 @@ async fn write_reports(
     );
     let outcome = result?;
     metrics.record_status_outcome(outcome.counts());
-    metrics.record_namespace_results(&outcome.by_namespace);
+    metrics.record_namespace_results(outcome.by_namespace.iter().map(|result| {
+        (
+            result.namespace.as_str(),
+            result.status.metric_label(),
+            result.count,
+        )
+    }));
     Ok(())
 }

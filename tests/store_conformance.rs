@@ -109,6 +109,7 @@ conformance!(
     limited_claims_never_exceed_the_limit_even_when_claimers_race,
     fair_claims_share_the_batch_between_namespaces_by_weight,
     fair_claims_fill_the_batch_and_keep_to_the_bucket_range,
+    fair_claims_take_every_flow_of_every_application,
 );
 
 // ---------------------------------------------------------------- helpers
@@ -1869,6 +1870,44 @@ async fn fair_claims_share_the_batch_between_namespaces_by_weight(store: Store) 
     assert_eq!(
         heavy,
         (0..6).map(|i| format!("heavy-{i}")).collect::<Vec<_>>()
+    );
+}
+
+async fn fair_claims_take_every_flow_of_every_application(store: Store) {
+    // Flows are (application, namespace): the same namespace under two
+    // applications is two flows, and a flood in the first application must
+    // not hide the second application's flows.
+    let base = now();
+    let mut rows = Vec::new();
+    for (application, namespace, count) in [("a1", "x", 50), ("a2", "x", 2), ("a2", "y", 2)] {
+        for i in 0..count {
+            let id = format!("{application}-{namespace}-{i}");
+            let mut row = row_of(&id, application, namespace, "t");
+            row.added_at = base + TimeDelta::microseconds(rows.len() as i64);
+            rows.push(row);
+        }
+    }
+    insert(store.as_ref(), &rows).await;
+    let claimed = store
+        .claim_for_push_except(BucketRange::ALL, 6, LEASE, &[], Dispatch::Fair(&[]))
+        .await
+        .unwrap();
+    let mut flows: Vec<(String, String)> = claimed
+        .iter()
+        .map(|c| {
+            (
+                c.activation.application.clone(),
+                c.activation.namespace.clone(),
+            )
+        })
+        .collect();
+    flows.sort();
+    flows.dedup();
+    assert_eq!(
+        flows,
+        [("a1", "x"), ("a2", "x"), ("a2", "y")].map(|(a, n)| (a.to_owned(), n.to_owned())),
+        "a share for each flow: {:?}",
+        ids(&claimed)
     );
 }
 

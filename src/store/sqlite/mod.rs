@@ -930,9 +930,6 @@ impl ActivationStore for SqliteStore {
     }
 }
 
-/// Paused rules as the JSON parameter of the `_UNPAUSED` claims: one
-/// `[application, namespace]` pair per rule, "" for "any" (a rule never
-/// names an empty one).
 /// Fair dispatch's share of a claim (see `ActivationStore::
 /// claim_for_push_except`): every flow's oldest rows up to its share,
 /// interleaved by weighted turn, claimed. The caller fills the rest.
@@ -948,32 +945,19 @@ fn claim_fair(
     const OP: &str = "claim_for_push";
     let failed = |e| sql_error(OP, e);
     let mut flows: Vec<(String, String)> = Vec::new();
-    loop {
-        let next = match flows.last() {
-            None => connection.prepare_cached(FIRST_FLOW).and_then(|mut s| {
-                s.query_row([], |row| Ok((row.get(0)?, row.get(1)?)))
-                    .optional()
-            }),
-            Some((application, namespace)) => {
-                connection.prepare_cached(NEXT_FLOW).and_then(|mut s| {
-                    s.query_row(params![application, namespace], |row| {
-                        Ok((row.get(0)?, row.get(1)?))
-                    })
-                    .optional()
-                })
-            }
-        }
-        .map_err(failed)?;
-        match next {
-            Some(flow) => flows.push(flow),
-            None => break,
-        }
+    while let Some(flow) = next_flow(connection, flows.last()).map_err(failed)? {
+        flows.push(flow);
     }
     flows.retain(|(application, namespace)| {
         !paused
             .iter()
             .any(|rule| rule.matches(application, namespace))
     });
+    if flows.len() < 2 {
+        // One flow: its share is the whole batch, which the caller's
+        // oldest-first claim takes in one statement.
+        return Ok(Vec::new());
+    }
     let flow_weights: Vec<u32> = flows
         .iter()
         .map(|(_, namespace)| weight_of(weights, namespace))
@@ -1011,6 +995,35 @@ fn claim_fair(
     query_rows(connection, OP, CLAIM_IDS, params![ids, expiry])
 }
 
+/// The flow (application, namespace) with Pending rows after `previous`
+/// in index order, or the first one: at most two index seeks.
+fn next_flow(
+    connection: &Connection,
+    previous: Option<&(String, String)>,
+) -> rusqlite::Result<Option<(String, String)>> {
+    let flow = |row: &rusqlite::Row<'_>| Ok((row.get(0)?, row.get(1)?));
+    let Some((application, namespace)) = previous else {
+        return connection
+            .prepare_cached(FIRST_FLOW)?
+            .query_row([], flow)
+            .optional();
+    };
+    if let Some(next) = connection
+        .prepare_cached(NEXT_NAMESPACE)?
+        .query_row(params![application, namespace], flow)
+        .optional()?
+    {
+        return Ok(Some(next));
+    }
+    connection
+        .prepare_cached(NEXT_APPLICATION)?
+        .query_row(params![application], flow)
+        .optional()
+}
+
+/// Paused rules as the JSON parameter of the `_UNPAUSED` claims: one
+/// `[application, namespace]` pair per rule, "" for "any" (a rule never
+/// names an empty one).
 fn json_pause_rules(paused: &[PauseRule]) -> String {
     json_pairs(paused.iter().map(|rule| {
         (

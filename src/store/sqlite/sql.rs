@@ -66,13 +66,21 @@ pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?6
 // `?6` its share); then the interleaved ids (`?1`, a JSON array) claimed
 // (`?2` the new claim expiry) while still Pending.
 pub(super) const FIRST_FLOW: &str = "SELECT application, namespace \
-     FROM inflight_taskactivations WHERE status = 'Pending' \
+     FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
+     WHERE status = 'Pending' ORDER BY application, namespace LIMIT 1";
+// The next flow as two seeks (a row-value comparison would walk every row of
+// the current flow): the next namespace of the same application, else the
+// first flow of the next application.
+pub(super) const NEXT_NAMESPACE: &str = "SELECT application, namespace \
+     FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
+     WHERE status = 'Pending' AND application = ?1 AND namespace > ?2 \
      ORDER BY application, namespace LIMIT 1";
-pub(super) const NEXT_FLOW: &str = "SELECT application, namespace \
-     FROM inflight_taskactivations \
-     WHERE status = 'Pending' AND (application, namespace) > (?1, ?2) \
+pub(super) const NEXT_APPLICATION: &str = "SELECT application, namespace \
+     FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
+     WHERE status = 'Pending' AND application > ?1 \
      ORDER BY application, namespace LIMIT 1";
-pub(super) const FLOW_HEADS: &str = "SELECT id FROM inflight_taskactivations \
+pub(super) const FLOW_HEADS: &str = "SELECT id \
+     FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
      WHERE status = 'Pending' AND application = ?1 AND namespace = ?2 \
        AND bucket BETWEEN ?3 AND ?4 AND (expires_at IS NULL OR expires_at > ?5) \
      ORDER BY added_at LIMIT ?6";

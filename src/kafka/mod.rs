@@ -19,6 +19,11 @@
 //! backlog waits (`MAX_INFLIGHT`), and a 64 MiB prefetch was most of the
 //! broker's memory during a burn-down.
 //!
+//! A consumer that dies without leaving its group (SIGKILL, node loss)
+//! holds its partitions until the group's session times out: 10 s here
+//! (heartbeats every 3 s) instead of librdkafka's 45 s, unless
+//! `KAFKA_CONFIG` sets `session.timeout.ms` or `heartbeat.interval.ms`.
+//!
 //! Producers are sized for the records they carry: librdkafka's default
 //! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
 //! (1 MiB), and a record it refuses is never written.
@@ -49,6 +54,17 @@ pub struct KafkaSettings {
 /// `KAFKA_CONFIG` sets `queued.max.messages.kbytes`: several insert
 /// batches of typical activations, far below librdkafka's 64 MiB.
 pub const CONSUMER_PREFETCH_KIB: usize = 8 * 1024;
+
+/// The consumer's group session timeout and heartbeat interval, unless
+/// `KAFKA_CONFIG` sets them: a broker that dies without leaving the group
+/// (SIGKILL, node loss) keeps its partitions until the group coordinator
+/// stops hearing from it, and librdkafka's default (45 s) left them
+/// unconsumed that long. 10 s is within every Kafka broker's default
+/// `group.min.session.timeout.ms` (6 s) to `group.max.session.timeout.ms`
+/// range; heartbeats come from librdkafka's own thread, so a busy broker
+/// does not miss them, and three fit in a session.
+pub const CONSUMER_SESSION_TIMEOUT_MS: u32 = 10_000;
+pub const CONSUMER_HEARTBEAT_INTERVAL_MS: u32 = 3_000;
 
 /// Room on top of an activation for a record's key, headers (the ingest
 /// dead-letter headers carry an error message) and protocol framing.
@@ -114,11 +130,23 @@ impl KafkaSettings {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", auto_offset_reset)
             .set("enable.partition.eof", "false");
-        if self.property("queued.max.messages.kbytes").is_none() {
-            client.set(
+        for (key, default) in [
+            (
                 "queued.max.messages.kbytes",
                 CONSUMER_PREFETCH_KIB.to_string(),
-            );
+            ),
+            (
+                "session.timeout.ms",
+                CONSUMER_SESSION_TIMEOUT_MS.to_string(),
+            ),
+            (
+                "heartbeat.interval.ms",
+                CONSUMER_HEARTBEAT_INTERVAL_MS.to_string(),
+            ),
+        ] {
+            if self.property(key).is_none() {
+                client.set(key, default);
+            }
         }
         client
     }
@@ -264,6 +292,20 @@ mod tests {
         assert_eq!(consumer.get("queued.max.messages.kbytes"), Some("8192"));
         let own = settings(&[("queued.max.messages.kbytes", "65536")]).consumer("g", "earliest");
         assert_eq!(own.get("queued.max.messages.kbytes"), Some("65536"));
+    }
+
+    #[test]
+    fn a_dead_consumer_leaves_the_group_within_seconds_unless_kafka_config_says_otherwise() {
+        let consumer = settings(&[]).consumer("g", "earliest");
+        assert_eq!(consumer.get("session.timeout.ms"), Some("10000"));
+        assert_eq!(consumer.get("heartbeat.interval.ms"), Some("3000"));
+        let own = settings(&[
+            ("session.timeout.ms", "45000"),
+            ("heartbeat.interval.ms", "15000"),
+        ])
+        .consumer("g", "earliest");
+        assert_eq!(own.get("session.timeout.ms"), Some("45000"));
+        assert_eq!(own.get("heartbeat.interval.ms"), Some("15000"));
     }
 
     #[test]

@@ -37,6 +37,7 @@
 //! the one-process lock in `lock.rs`.
 
 mod exec;
+mod fair;
 mod lock;
 mod reader;
 mod rows;
@@ -44,17 +45,17 @@ mod sql;
 mod writer;
 
 use std::collections::HashSet;
-use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 use tokio::sync::oneshot;
 
 use self::exec::{apply_report, execute, exists, fenced, query_rows, sql_error};
+use self::fair::claim_fair;
 use self::lock::lock_for_this_process;
 use self::reader::ReaderPool;
 use self::rows::{duration_micros, json_strings, limit, micros_of, now_micros};
@@ -65,7 +66,7 @@ use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
     InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
-    StatusCounts, StatusUpdate, StatusUpdateOutcome, fair_shares, interleave, weight_of,
+    StatusCounts, StatusUpdate, StatusUpdateOutcome,
 };
 
 mod embedded {
@@ -928,97 +929,6 @@ impl ActivationStore for SqliteStore {
         })
         .await
     }
-}
-
-/// Fair dispatch's share of a claim (see `ActivationStore::
-/// claim_for_push_except`): every flow's oldest rows up to its share,
-/// interleaved by weighted turn, claimed. The caller fills the rest.
-fn claim_fair(
-    connection: &Connection,
-    buckets: BucketRange,
-    limit_rows: usize,
-    expiry: i64,
-    now: i64,
-    weights: &[(String, u32)],
-    paused: &[PauseRule],
-) -> StoreResult<Vec<InflightActivation>> {
-    const OP: &str = "claim_for_push";
-    let failed = |e| sql_error(OP, e);
-    let mut flows: Vec<(String, String)> = Vec::new();
-    while let Some(flow) = next_flow(connection, flows.last()).map_err(failed)? {
-        flows.push(flow);
-    }
-    flows.retain(|(application, namespace)| {
-        !paused
-            .iter()
-            .any(|rule| rule.matches(application, namespace))
-    });
-    if flows.len() < 2 {
-        // One flow: its share is the whole batch, which the caller's
-        // oldest-first claim takes in one statement.
-        return Ok(Vec::new());
-    }
-    let flow_weights: Vec<u32> = flows
-        .iter()
-        .map(|(_, namespace)| weight_of(weights, namespace))
-        .collect();
-    let shares = fair_shares(limit_rows, &flow_weights);
-    let mut heads = Vec::with_capacity(flows.len());
-    let mut statement = connection.prepare_cached(FLOW_HEADS).map_err(failed)?;
-    for (((application, namespace), weight), share) in flows.iter().zip(&flow_weights).zip(shares) {
-        let ids = statement
-            .query_map(
-                params![
-                    application,
-                    namespace,
-                    buckets.first,
-                    buckets.last,
-                    now,
-                    limit(share)
-                ],
-                |row| row.get::<_, String>(0),
-            )
-            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
-            .map_err(failed)?;
-        heads.push((*weight, ids));
-    }
-    // Ties between flows go a different way on every claim.
-    let random = std::collections::hash_map::RandomState::new();
-    let tiebreak: Vec<u64> = (0..heads.len())
-        .map(|index| random.hash_one(index))
-        .collect();
-    let chosen = interleave(heads, limit_rows, &tiebreak);
-    if chosen.is_empty() {
-        return Ok(Vec::new());
-    }
-    let ids = json_strings(chosen.iter().map(String::as_str));
-    query_rows(connection, OP, CLAIM_IDS, params![ids, expiry])
-}
-
-/// The flow (application, namespace) with Pending rows after `previous`
-/// in index order, or the first one: at most two index seeks.
-fn next_flow(
-    connection: &Connection,
-    previous: Option<&(String, String)>,
-) -> rusqlite::Result<Option<(String, String)>> {
-    let flow = |row: &rusqlite::Row<'_>| Ok((row.get(0)?, row.get(1)?));
-    let Some((application, namespace)) = previous else {
-        return connection
-            .prepare_cached(FIRST_FLOW)?
-            .query_row([], flow)
-            .optional();
-    };
-    if let Some(next) = connection
-        .prepare_cached(NEXT_NAMESPACE)?
-        .query_row(params![application, namespace], flow)
-        .optional()?
-    {
-        return Ok(Some(next));
-    }
-    connection
-        .prepare_cached(NEXT_APPLICATION)?
-        .query_row(params![application], flow)
-        .optional()
 }
 
 /// Paused rules as the JSON parameter of the `_UNPAUSED` claims: one

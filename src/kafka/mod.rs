@@ -299,6 +299,11 @@ mod tests {
         let consumer = settings(&[]).consumer("g", "earliest");
         assert_eq!(consumer.get("session.timeout.ms"), Some("10000"));
         assert_eq!(consumer.get("heartbeat.interval.ms"), Some("3000"));
+        // librdkafka takes the pair as it is (it refuses out-of-range values
+        // when the client is created).
+        if let Err(err) = consumer.create::<rdkafka::consumer::BaseConsumer>() {
+            panic!("the consumer defaults: {err}");
+        }
         let own = settings(&[
             ("session.timeout.ms", "45000"),
             ("heartbeat.interval.ms", "15000"),

@@ -24,6 +24,8 @@ use futures::StreamExt;
 use crate::actors::claims::ClaimRegistry;
 use crate::actors::consumer::{ConsumerActor, ConsumerConfig, StopConsuming};
 use crate::actors::fetch::{FetchConfig, StopFetching, WakeFetch};
+use crate::actors::heartbeat::MembershipConfig;
+use crate::actors::liveness::Liveness;
 use crate::actors::push_pool::{
     DrainPushPool, PushPoolConfig, Resolver, SpreadConfig, StopPushPool,
 };
@@ -105,8 +107,19 @@ impl PushPipeline {
         store: StoreHandle,
         metrics: Arc<Metrics>,
     ) -> Result<PushPipeline, String> {
+        Self::start_fenced(config, store, metrics, Liveness::unfenced())
+    }
+
+    /// [`PushPipeline::start`], claiming and pushing only while `liveness`
+    /// allows (the broker's heartbeat keeps it).
+    pub fn start_fenced(
+        config: PushPipelineConfig,
+        store: StoreHandle,
+        metrics: Arc<Metrics>,
+        liveness: Liveness,
+    ) -> Result<PushPipeline, String> {
         PushPoolActor::validate(&config.push)?;
-        let registry = ClaimRegistry::new();
+        let registry = ClaimRegistry::fenced_by(liveness);
         let push_arbiter = Arbiter::new();
         let push_pool = {
             let (push, store, metrics) = (config.push.clone(), store.clone(), Arc::clone(&metrics));
@@ -251,6 +264,8 @@ impl UpkeepConfig {
             health,
             rules,
             top_namespaces: config.metrics_top_namespaces,
+            // Set by `Broker::start`, which knows the store's broker id.
+            membership: None,
         }
     }
 }
@@ -332,6 +347,16 @@ impl Broker {
             DeliveryMode::Push => store.new_rows(),
             DeliveryMode::Pull => None,
         };
+        let membership = MembershipConfig {
+            broker_id: store.broker_id().to_owned(),
+            host: host_name.to_owned(),
+            heartbeat_interval: config.heartbeat_interval,
+            takeover_timeout: config.takeover_timeout,
+            liveness: Liveness::fenced(MembershipConfig::live_window(
+                config.heartbeat_interval,
+                config.takeover_timeout,
+            )),
+        };
         let store_arbiter = Arbiter::new();
         let store_actor = StoreHandle::start_in_arbiter(
             &store_arbiter.handle(),
@@ -348,10 +373,11 @@ impl Broker {
                     callback_url = %pipeline_config.push.callback_url,
                     "push delivery starting"
                 );
-                Some(PushPipeline::start(
+                Some(PushPipeline::start_fenced(
                     pipeline_config,
                     store_actor.clone(),
                     Arc::clone(&metrics),
+                    membership.liveness.clone(),
                 )?)
             }
             DeliveryMode::Pull => None,
@@ -365,7 +391,10 @@ impl Broker {
         let wake_on_new_rows = wake.clone();
         let upkeep_arbiter = Arbiter::new();
         let upkeep = UpkeepActor::new(
-            UpkeepConfig::from_config(config, health.clone(), rules.clone()),
+            UpkeepConfig {
+                membership: Some(membership),
+                ..UpkeepConfig::from_config(config, health.clone(), rules.clone())
+            },
             store_actor.clone(),
             wake.clone(),
             Arc::clone(&metrics),

@@ -17,6 +17,7 @@ pub mod config;
 pub mod grpc;
 pub mod http;
 pub mod kafka;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod net;

@@ -28,12 +28,11 @@ use std::time::Duration;
 use taskbroker::actors::store::CountByStatus;
 use taskbroker::broker::Broker;
 
-use taskbroker::config::{Config, LogFormat, unknown_variables};
+use taskbroker::config::{Config, unknown_variables};
 use taskbroker::metrics::Metrics;
 use taskbroker::store::{
-    ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
+    ActivationStore, Membership, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
-use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
 #[command(
@@ -49,6 +48,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the broker (the default).
+    #[command(after_help = settings_help())]
     Run,
     /// Apply database migrations, then exit.
     Migrate,
@@ -86,6 +86,29 @@ enum Command {
     /// as new tasks; a second redrive of the same filters republishes
     /// nothing twice.
     Dlq(cli::dlq::DlqArgs),
+    /// Send test activations to the broker's Kafka topic (the settings
+    /// `run` reads), printing each id once Kafka acknowledged it; run
+    /// `taskbroker demo-worker` as the worker to see them complete.
+    Produce(cli::produce::ProduceArgs),
+}
+
+/// `run --help`: every setting with its default, and where the reference is.
+fn settings_help() -> String {
+    use std::fmt::Write as _;
+    let mut out = String::from(
+        "Settings are environment variables. `taskbroker config` prints their effective values; \
+         `taskbroker config --markdown` prints the reference with what each one does and \
+         allows (docs/configuration.md).\n",
+    );
+    for setting in taskbroker::config::SETTINGS {
+        let default = if setting.default.is_empty() {
+            "unset"
+        } else {
+            setting.default
+        };
+        let _ = write!(out, "\n  {} [default: {default}]", setting.variable());
+    }
+    out
 }
 
 fn main() -> ExitCode {
@@ -102,9 +125,15 @@ fn main() -> ExitCode {
         Some(Command::Healthcheck) => return healthcheck(),
         Some(Command::Inspect(args)) => return cli::inspect::inspect(args),
         Some(Command::Dlq(args)) => return cli::dlq::dlq(args),
+        Some(Command::Produce(args)) => return cli::produce::produce(args),
         _ => {}
     }
-    let config = match Config::from_env() {
+    // Showing the settings or migrating the store needs no workers.
+    let read = match cli.command {
+        Some(Command::Config { .. } | Command::Migrate) => Config::from_env_without_running,
+        _ => Config::from_env,
+    };
+    let config = match read() {
         Ok(config) => config,
         Err(err) => {
             eprintln!("taskbroker: {err}");
@@ -129,7 +158,7 @@ fn main() -> ExitCode {
     }
     let outcome = match cli.command.unwrap_or(Command::Run) {
         Command::Config { .. } => {
-            print!("{}", config.render_effective());
+            print!("{}", config.render_effective_on(&host_name()));
             println!();
             print!("{}", config.topology().render());
             Ok(())
@@ -140,7 +169,8 @@ fn main() -> ExitCode {
         | Command::DemoWorker { .. }
         | Command::Healthcheck
         | Command::Inspect(_)
-        | Command::Dlq(_) => {
+        | Command::Dlq(_)
+        | Command::Produce(_) => {
             unreachable!("handled before the configuration is read")
         }
     };
@@ -155,45 +185,38 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(config: &Config) -> Result<(), String> {
-    let filter = EnvFilter::try_new(&config.log).map_err(|err| {
-        format!(
-            "TASKBROKER_LOG={}: not a valid log filter: {err}",
-            config.log
-        )
-    })?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match config.log_format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
-    Ok(())
+    taskbroker::logging::init(&config.log, config.log_format)
 }
 
 /// Opens the configured store: PostgreSQL when `DATABASE_URL` is set, else
 /// the embedded SQLite store at `SQLITE_PATH`. Logs which one runs.
 fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
+    let broker_id = config.broker_id(|name| std::env::var(name).ok());
     let store: Arc<dyn ActivationStore> = match &config.database_url {
         Some(url) => {
             let store = PostgresStore::connect(&PostgresStoreConfig {
                 url: url.clone(),
                 pool_size: config.db_pool_size,
                 async_commit: config.db_async_commit,
+                broker_id: broker_id.clone(),
                 ..PostgresStoreConfig::new(url.clone())
             })
             .map_err(|err| err.to_string())?;
-            tracing::info!(backend = store.backend(), "store: PostgreSQL");
+            tracing::info!(backend = store.backend(), broker_id, "store: PostgreSQL");
             Arc::new(store)
         }
         None => {
             let store = SqliteStore::open(&SqliteStoreConfig {
                 async_commit: config.db_async_commit,
                 readers: config.db_pool_size.min(8),
+                broker_id,
                 ..SqliteStoreConfig::new(config.sqlite_path.clone())
             })
             .map_err(|err| err.to_string())?;
             tracing::info!(
                 backend = store.backend(),
                 path = %config.sqlite_path.display(),
+                broker_id = store.broker_id(),
                 "store: embedded SQLite (single node; set TASKBROKER_DATABASE_URL for PostgreSQL)"
             );
             Arc::new(store)

@@ -66,7 +66,8 @@ pub struct Metrics {
     pub claims_released: IntCounterVec,
     /// PushTask outcomes, by result (ok, error, busy, timeout, unroutable,
     /// undecodable, too_large, lease_expired: not pushed, its claim had too
-    /// little lease left); `stale` counts the ok pushes whose row had moved on
+    /// little lease left; not_live: not pushed, this broker's heartbeat was
+    /// overdue or it was taken over); `stale`: accepted pushes whose row had moved on
     /// before the mark-processing write (claimed again, or already reported).
     pub pushes: IntCounterVec,
     /// Duration of PushTask RPCs.
@@ -74,6 +75,8 @@ pub struct Metrics {
     /// Activations deferred because no worker endpoint serves their
     /// application (a `WORKER_ENDPOINTS` mistake, alerted on).
     pub push_no_route: IntCounter,
+    /// Silent peers this broker took over (their claims released).
+    pub broker_takeovers: IntCounter,
     /// Time from `received_at` until the activation was claimed.
     pub received_to_claimed: Histogram,
     /// Time from `received_at` until a worker accepted the push.
@@ -122,10 +125,23 @@ pub struct Metrics {
     /// Addresses each worker URL resolves to (1 until its host name is
     /// resolved, and for a URL naming an address), by endpoint.
     pub worker_addresses: IntGaugeVec,
-    /// Worker status reports, by status (complete, retry, failure) and
-    /// result (updated, ignored, missing, invalid; late: updated by a report
-    /// that likely came from an earlier delivery).
+    /// Connections to each worker URL, by endpoint and state (ready,
+    /// backing_off).
+    pub worker_connections: IntGaugeVec,
+    /// Pushes outstanding to each worker URL, by endpoint.
+    pub worker_pushes_in_flight: IntGaugeVec,
+    /// Records on each assigned partition past the consumer group's
+    /// committed offset, by topic and partition (librdkafka's statistics).
+    pub consumer_lag: IntGaugeVec,
+    /// Worker status reports as the gRPC API received them, by status
+    /// (complete, retry, failure; invalid: rejected).
+    pub status_reports: IntCounterVec,
+    /// What the store write of each valid report did, by result (updated,
+    /// ignored, missing): one result per report.
     pub status_updates: IntCounterVec,
+    /// Of the updated reports, those that likely came from an earlier
+    /// delivery (protocol.md, "Late reports").
+    pub status_updates_late: IntCounter,
     /// gRPC TLS files re-read after a change, by result (ok, error).
     pub grpc_tls_reloads: IntCounterVec,
     /// Unix time the gRPC TLS certificate in use was loaded.
@@ -163,7 +179,9 @@ pub mod labels {
     pub const SUBMIT_RESULTS: &[&str] = &["ok", "full", "timeout", "closed"];
     /// `taskbroker_claims_released_total{reason}`: FetchActor (queue_*),
     /// push pool (push_failed), upkeep (lease_expired), broker stop
-    /// (shutdown), a claim guard dropped while held (dropped).
+    /// (shutdown), a claim guard dropped while held (dropped), a restarted
+    /// broker's previous claims (restart), a silent peer's claims
+    /// (takeover).
     pub const TLS_RELOAD_RESULTS: &[&str] = &["ok", "error"];
     pub const RELEASE_REASONS: &[&str] = &[
         "queue_timeout",
@@ -172,11 +190,15 @@ pub mod labels {
         "lease_expired",
         "shutdown",
         "dropped",
+        "restart",
+        "takeover",
     ];
     /// `taskbroker_pushes_total{result}` (PushPoolActor).
     pub const PUSH_RESULTS: &[&str] = &[
         "ok",
         "error",
+        "unreachable",
+        "backoff",
         "busy",
         "timeout",
         "unroutable",
@@ -184,6 +206,7 @@ pub mod labels {
         "stale",
         "too_large",
         "lease_expired",
+        "not_live",
     ];
     /// `taskbroker_consumer_records_total{result}` (ConsumerActor).
     /// `killswitched`: dropped by a killswitch of the runtime file.
@@ -272,21 +295,15 @@ pub mod labels {
         "forward_demoted",
         "count_by_namespace",
         "count_by_status",
+        "has_rows",
         "max_pending_lag",
     ];
-    /// `taskbroker_status_updates_total{status,result}`: each report as
-    /// received (or rejected as invalid) by the gRPC API, and what the
-    /// store write did with it (status "any": one statement covers many).
-    pub const STATUS_UPDATE_SERIES: &[(&str, &str)] = &[
-        ("complete", "received"),
-        ("retry", "received"),
-        ("failure", "received"),
-        ("unknown", "invalid"),
-        ("any", "updated"),
-        ("any", "ignored"),
-        ("any", "missing"),
-        ("any", "late"),
-    ];
+    /// `taskbroker_status_reports_total{status}`: each report as the gRPC
+    /// API received it, or `invalid` when it refused it.
+    pub const STATUS_REPORTS: &[&str] = &["complete", "retry", "failure", "invalid"];
+    /// `taskbroker_status_updates_total{result}`: what the store write did
+    /// with each valid report.
+    pub const STATUS_UPDATE_RESULTS: &[&str] = &["updated", "ignored", "missing"];
     /// The `operation` of the store metrics: the operations the StoreActor
     /// runs (each message's `OPERATION`; a test keeps the two lists equal).
     pub const STORE_OPERATIONS: &[&str] = &[
@@ -307,12 +324,19 @@ pub mod labels {
         "take_for_publish",
         "take_demoted",
         "remove_forwarded",
+        "register_broker",
+        "read_broker",
+        "release_previous_claims",
+        "heartbeat",
+        "take_over_silent",
+        "unregister_broker",
         "discard_failures",
         "mark_published",
         "remove_completed",
         "count_by_status",
         "count_by_namespace",
         "count_inflight_by_topic",
+        "has_rows",
         "max_pending_lag",
         "ping",
         "fail_claims",
@@ -322,17 +346,27 @@ pub mod labels {
     /// `StoreError::kind` answers for a running operation (migration and
     /// configuration errors only happen at startup, outside these metrics).
     pub const STORE_ERROR_KINDS: &[&str] = &["unavailable", "rejected", "query", "invalid_row"];
-    /// The `status` of `taskbroker_activations`: every lifecycle status by
-    /// its stored name (a test keeps it equal to `ActivationStatus::ALL`).
+    /// The `status` of `taskbroker_activations`: every lifecycle status,
+    /// in lower case as Prometheus label values are (the store's names are
+    /// capitalised; a test keeps the two lists equal but for case).
     pub const ACTIVATION_STATUSES: &[&str] = &[
-        "Pending",
-        "Delay",
-        "Claimed",
-        "Processing",
-        "Retry",
-        "Failure",
-        "Complete",
+        "pending",
+        "delay",
+        "claimed",
+        "processing",
+        "retry",
+        "failure",
+        "complete",
     ];
+
+    /// The label value of a status by its stored name (`Pending` →
+    /// `pending`); `None` for a name that is no status.
+    pub fn activation_status(stored: &str) -> Option<&'static str> {
+        ACTIVATION_STATUSES
+            .iter()
+            .copied()
+            .find(|label| label.eq_ignore_ascii_case(stored))
+    }
 }
 
 /// Latency buckets (seconds) for end-to-end task latencies.
@@ -375,6 +409,15 @@ fn histogram_vec(name: &str, help: &str, buckets: &[f64], labels: &[&str]) -> Hi
 impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
+        // The standard `process_*` series (CPU seconds, resident and virtual
+        // memory, open and maximum file descriptors, start time), read from
+        // /proc at each scrape. Elsewhere than Linux the collector has
+        // nothing to report.
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("the process collector registers once");
         let store_duration = histogram_vec(
             "taskbroker_store_operation_duration_seconds",
             "Duration of store operations, by operation.",
@@ -431,7 +474,7 @@ impl Metrics {
         );
         let pushes = counter_vec(
             "taskbroker_pushes_total",
-            "PushTask outcomes, by result; stale: accepted pushes whose row had already moved on.",
+            "PushTask outcomes, by result (each push counted once); ok and stale are the accepted pushes, stale those whose row had already moved on.",
             &["result"],
         );
         // Fine buckets: push latency on a local network is sub-millisecond.
@@ -445,6 +488,10 @@ impl Metrics {
         let push_no_route = counter(
             "taskbroker_push_no_route_total",
             "Activations deferred (Delay, no attempt consumed) because no worker endpoint serves their application.",
+        );
+        let broker_takeovers = counter(
+            "taskbroker_broker_takeovers_total",
+            "Peers this broker presumed dead (heartbeat older than TAKEOVER_TIMEOUT_MS) and took over: their row removed, their claims released (counted in taskbroker_claims_released_total{reason=\"takeover\"}).",
         );
         let received_to_claimed = histogram(
             "taskbroker_received_to_claimed_seconds",
@@ -533,6 +580,21 @@ impl Metrics {
             &["step"],
         )
         .expect("valid metric definition");
+        let worker_connections = gauge_vec(
+            "taskbroker_worker_connections",
+            "Connections to each worker URL, by state: ready (pushes go to it) or backing_off (its last push failed; one probe at a time until a push succeeds).",
+            &["endpoint", "state"],
+        );
+        let worker_pushes_in_flight = gauge_vec(
+            "taskbroker_worker_pushes_in_flight",
+            "PushTask calls outstanding to each worker URL.",
+            &["endpoint"],
+        );
+        let consumer_lag = gauge_vec(
+            "taskbroker_consumer_lag",
+            "Records on each partition this broker consumes that are past its consumer group's committed offset (not yet stored and committed), from librdkafka's statistics (every 5 s unless KAFKA_CONFIG sets statistics.interval.ms).",
+            &["topic", "partition"],
+        );
         let worker_addresses = IntGaugeVec::new(
             Opts::new(
                 "taskbroker_worker_addresses",
@@ -541,10 +603,19 @@ impl Metrics {
             &["endpoint"],
         )
         .expect("valid metric definition");
+        let status_reports = counter_vec(
+            "taskbroker_status_reports_total",
+            "Worker status reports as received, by status; invalid: rejected (a bad status or id).",
+            &["status"],
+        );
         let status_updates = counter_vec(
             "taskbroker_status_updates_total",
-            "Worker status reports: by status as received, and by the result of writing them.",
-            &["status", "result"],
+            "What writing each valid worker report did, by result: updated, ignored (task not Claimed or Processing), missing (no such task).",
+            &["result"],
+        );
+        let status_updates_late = counter(
+            "taskbroker_status_updates_late_total",
+            "Updated worker reports that likely came from an earlier delivery: the task was past its processing deadline or had been delivered before.",
         );
         let grpc_tls_reloads = counter_vec(
             "taskbroker_grpc_tls_reloads_total",
@@ -603,7 +674,9 @@ impl Metrics {
             Box::new(grpc_tls_reloads.clone()),
             Box::new(grpc_tls_loaded.clone()),
             Box::new(grpc_tls_handshake_failures.clone()),
+            Box::new(status_reports.clone()),
             Box::new(status_updates.clone()),
+            Box::new(status_updates_late.clone()),
             Box::new(consumer_records.clone()),
             Box::new(invalid_records.clone()),
             Box::new(ingest_dead_letters.clone()),
@@ -618,6 +691,9 @@ impl Metrics {
             Box::new(published.clone()),
             Box::new(upkeep_backlog.clone()),
             Box::new(worker_addresses.clone()),
+            Box::new(worker_connections.clone()),
+            Box::new(worker_pushes_in_flight.clone()),
+            Box::new(consumer_lag.clone()),
         ] {
             registry
                 .register(collector)
@@ -635,6 +711,7 @@ impl Metrics {
             Box::new(pushes.clone()),
             Box::new(push_duration.clone()),
             Box::new(push_no_route.clone()),
+            Box::new(broker_takeovers.clone()),
             Box::new(received_to_claimed.clone()),
             Box::new(received_to_pushed.clone()),
             Box::new(stages.clone()),
@@ -657,6 +734,7 @@ impl Metrics {
             pushes,
             push_duration,
             push_no_route,
+            broker_takeovers,
             received_to_claimed,
             received_to_pushed,
             stages,
@@ -676,7 +754,12 @@ impl Metrics {
             published,
             upkeep_backlog,
             worker_addresses,
+            worker_connections,
+            worker_pushes_in_flight,
+            consumer_lag,
+            status_reports,
             status_updates,
+            status_updates_late,
             grpc_tls_reloads,
             grpc_tls_loaded,
             grpc_tls_handshake_failures,
@@ -719,8 +802,11 @@ impl Metrics {
                 self.published.with_label_values(&[kind, result]);
             }
         }
-        for (status, result) in STATUS_UPDATE_SERIES {
-            self.status_updates.with_label_values(&[status, result]);
+        for status in STATUS_REPORTS {
+            self.status_reports.with_label_values(&[status]);
+        }
+        for result in STATUS_UPDATE_RESULTS {
+            self.status_updates.with_label_values(&[result]);
         }
         for operation in STORE_OPERATIONS {
             self.store_duration.with_label_values(&[operation]);
@@ -737,14 +823,18 @@ impl Metrics {
         self.initialise_namespace_gauges();
     }
 
-    /// Counts what a status write did (status label "any": one statement
-    /// covers many statuses).
-    /// `counts` are `(result label, count)` pairs.
+    /// Counts what a status write did. `counts` are `(result, count)`
+    /// pairs: `updated`, `ignored`, `missing`, and `late` (a share of the
+    /// updated ones, counted apart).
     pub fn record_status_outcome(&self, counts: impl IntoIterator<Item = (&'static str, u64)>) {
         for (result, count) in counts {
-            self.status_updates
-                .with_label_values(&["any", result])
-                .inc_by(count);
+            if result == "late" {
+                self.status_updates_late.inc_by(count);
+            } else {
+                self.status_updates
+                    .with_label_values(&[result])
+                    .inc_by(count);
+            }
         }
     }
 
@@ -820,6 +910,17 @@ impl Metrics {
         sum_where(&self.consumer_pending_records, "", "") as i64
     }
 
+    /// Connections to workers in `state` (ready, backing_off), every
+    /// endpoint together.
+    pub fn worker_connections_in(&self, state: &str) -> i64 {
+        sum_where(&self.worker_connections, "state", state) as i64
+    }
+
+    /// Pushes outstanding, every endpoint together.
+    pub fn worker_pushes_in_flight(&self) -> i64 {
+        sum_where(&self.worker_pushes_in_flight, "", "") as i64
+    }
+
     /// One run of a store operation; `error_kind` is the failed run's
     /// `StoreError::kind`.
     pub fn observe_store(&self, operation: &str, elapsed: Duration, error_kind: Option<&str>) {
@@ -846,12 +947,15 @@ impl Metrics {
             .get_sample_count()
     }
 
-    /// Rows per status, as `(stored status name, count)`.
+    /// Rows per status, as `(stored status name, count)` (`Pending`, …);
+    /// each is set on its lower-case series.
     pub fn set_status_counts(&self, counts: impl IntoIterator<Item = (&'static str, u64)>) {
         for (status, count) in counts {
-            self.activations
-                .with_label_values(&[status])
-                .set(i64::try_from(count).unwrap_or(i64::MAX));
+            if let Some(label) = labels::activation_status(status) {
+                self.activations
+                    .with_label_values(&[label])
+                    .set(i64::try_from(count).unwrap_or(i64::MAX));
+            }
         }
     }
 
@@ -986,11 +1090,26 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 38, "{text}");
+        assert_eq!(families, 41, "{text}");
+        assert!(text.contains("taskbroker_status_reports_total{status=\"invalid\"} 0"));
+        assert!(text.contains("taskbroker_status_updates_total{result=\"missing\"} 0"));
+        assert!(text.contains("taskbroker_status_updates_late_total 0"));
+        for process in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {process} ")),
+                "{process}:\n{text}"
+            );
+        }
         assert!(text.contains("taskbroker_push_no_route_total 0"));
+        assert!(text.contains("taskbroker_broker_takeovers_total 0"));
+        assert!(text.contains("taskbroker_claims_released_total{reason=\"takeover\"} 0"));
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
-        assert!(text.contains("taskbroker_activations{status=\"Claimed\"} 0"));
+        assert!(text.contains("taskbroker_activations{status=\"claimed\"} 0"));
         assert!(
             text.contains("taskbroker_consumer_records_total{result=\"stored\",topic=\"tasks\"} 0")
         );

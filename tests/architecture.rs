@@ -124,11 +124,17 @@ fn the_scan_sees_real_dependencies() {
 fn the_metrics_leaf_names_every_status_as_the_model_does() {
     // `metrics` keeps its own copy of the status names so it imports
     // nothing; this keeps the copy equal to the domain's.
-    let names: Vec<&str> = taskbroker::model::ActivationStatus::ALL
+    let names: Vec<String> = taskbroker::model::ActivationStatus::ALL
         .iter()
-        .map(|status| status.as_str())
+        .map(|status| status.as_str().to_ascii_lowercase())
         .collect();
     assert_eq!(names, taskbroker::metrics::labels::ACTIVATION_STATUSES);
+    for status in taskbroker::model::ActivationStatus::ALL {
+        assert_eq!(
+            taskbroker::metrics::labels::activation_status(status.as_str()),
+            Some(status.as_str().to_ascii_lowercase().as_str())
+        );
+    }
 }
 
 #[test]

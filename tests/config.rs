@@ -479,6 +479,66 @@ fn shutdown_timeout_must_exceed_the_push_timeout() {
 }
 
 #[test]
+fn a_takeover_timeout_under_three_heartbeats_is_refused() {
+    assert_single_problem(
+        &[
+            ("TASKBROKER_HEARTBEAT_INTERVAL_MS", "1000"),
+            ("TASKBROKER_TAKEOVER_TIMEOUT_MS", "2999"),
+        ],
+        "TASKBROKER_TAKEOVER_TIMEOUT_MS=2999: must be at least 3 × \
+         TASKBROKER_HEARTBEAT_INTERVAL_MS = 3000 ms, so one late heartbeat does not get a live \
+         broker taken over",
+    );
+    let config = parse_ok(&[
+        ("TASKBROKER_HEARTBEAT_INTERVAL_MS", "200"),
+        ("TASKBROKER_TAKEOVER_TIMEOUT_MS", "600"),
+    ]);
+    assert_eq!(config.takeover_timeout, Duration::from_millis(600));
+}
+
+#[test]
+fn a_broker_id_must_be_printable_and_short_enough() {
+    assert_single_problem(
+        &[("TASKBROKER_BROKER_ID", "broker one")],
+        "TASKBROKER_BROKER_ID=broker one: must be printable ASCII without spaces",
+    );
+    let long = "b".repeat(254);
+    let error = parse_err(&[("TASKBROKER_BROKER_ID", &long)]);
+    assert!(
+        error.to_string().contains("must be 1 to 253 bytes long"),
+        "{error}"
+    );
+    let config = parse_ok(&[("TASKBROKER_BROKER_ID", "taskbroker-0")]);
+    assert_eq!(config.broker_id(|_| None), "taskbroker-0");
+}
+
+#[test]
+fn the_broker_id_defaults_to_the_pod_name_in_kubernetes_else_a_fresh_one() {
+    let config = parse_ok(&[]);
+    let kubernetes = |name: &str| match name {
+        "KUBERNETES_SERVICE_HOST" => Some("10.0.0.1".to_owned()),
+        "HOSTNAME" => Some("taskbroker-7d9f-abcde".to_owned()),
+        _ => None,
+    };
+    assert_eq!(config.broker_id(kubernetes), "taskbroker-7d9f-abcde");
+    // Outside Kubernetes a host name is not unique per process: fresh ids.
+    let docker = |name: &str| (name == "HOSTNAME").then(|| "3f2a9c1b".to_owned());
+    let (one, two) = (config.broker_id(docker), config.broker_id(docker));
+    assert!(
+        one.starts_with("broker-") && two.starts_with("broker-"),
+        "{one}"
+    );
+    assert_ne!(one, two);
+    // A pod name the id rules refuse is not used.
+    let odd = |name: &str| match name {
+        "KUBERNETES_SERVICE_HOST" => Some("10.0.0.1".to_owned()),
+        "HOSTNAME" => Some("has space".to_owned()),
+        _ => None,
+    };
+    assert!(config.broker_id(odd).starts_with("broker-"));
+}
+
+#[test]
 fn every_problem_is_reported_at_once() {
     let error = parse_err(&[
         ("TASKBROKER_FETCH_ACTORS", "3"),
@@ -710,6 +770,7 @@ fn distinct_value(index: usize, allowed: Allowed, default: &str) -> String {
         Allowed::KafkaProperties => format!("client.id=c{i},sasl.password=p{i}"),
         Allowed::List => format!("secret-{i},old-{i}"),
         Allowed::WorkerEndpoints => format!("*=http://worker-{i}:50052"),
+        Allowed::LogFilter => format!("warn,target{i}=debug"),
         Allowed::Text => format!("text-{i}"),
     }
 }

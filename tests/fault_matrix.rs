@@ -27,7 +27,7 @@ use prost::Message as _;
 use taskbroker::broker::Broker;
 use taskbroker::config::Config;
 use taskbroker::metrics::Metrics;
-use taskbroker::store::ActivationStore;
+use taskbroker::store::{ActivationStore, PostgresStore};
 
 const TOPIC: &str = "tasks";
 
@@ -191,9 +191,13 @@ impl Matrix {
 
     fn start_broker(&self, grpc_port: u16, extra: &[(&str, &str)]) -> (Broker, Arc<Metrics>) {
         let metrics = Arc::new(Metrics::new());
+        // A store of its own: each broker has its own id, as each process
+        // has (the matrix's store migrated the database already).
+        let store: Arc<dyn ActivationStore> =
+            Arc::new(PostgresStore::connect(&self.db.store_config()).expect("store config"));
         let broker = Broker::start(
             &self.config(grpc_port, extra),
-            Arc::clone(&self.store),
+            store,
             Arc::clone(&metrics),
             "matrix",
         )
@@ -564,7 +568,7 @@ async fn all_workers_down_mid_run_then_back() {
         .values()
         .filter(|r| r.deliveries > 0 && r.completions == 0)
         .count() as u32;
-    let failed_before = Metrics::count(&metrics.pushes, "error");
+    let failed_before = Metrics::count(&metrics.pushes, "unreachable");
     // Two seconds of outage. How many failed pushes the endpoints' backoff
     // allows in it (one probe per pause per endpoint, not one per claimed
     // task) is pinned without a clock by the unit test
@@ -574,7 +578,7 @@ async fn all_workers_down_mid_run_then_back() {
     wait_until(
         "the broker notices the workers are gone",
         Duration::from_secs(10),
-        || async { Metrics::count(&metrics.pushes, "error") > failed_before },
+        || async { Metrics::count(&metrics.pushes, "unreachable") > failed_before },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await; // the outage itself

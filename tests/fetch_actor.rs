@@ -157,3 +157,95 @@ async fn attempts_consumed(store: &dyn ActivationStore) -> i32 {
     }
     attempts
 }
+
+/// Counts the events of this thread whose message contains `needle`.
+struct CountMessages {
+    needle: &'static str,
+    seen: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountMessages {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        if message.0.contains(self.needle) {
+            self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// While the store is away every claim fails and is retried every backoff;
+/// the warning is logged once per interval, not once per attempt (the
+/// store metrics count each failure).
+#[actix_rt::test]
+async fn claims_failing_during_an_outage_are_logged_once_per_interval() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let subscriber = tracing_subscriber::registry().with(CountMessages {
+        needle: "claim failed",
+        seen: Arc::clone(&seen),
+    });
+    // This thread runs the test's actors (actix's test runtime).
+    let _logs = tracing::subscriber::set_default(subscriber);
+
+    // Nothing listens on port 1: every connection is refused at once.
+    let store: Arc<dyn ActivationStore> = Arc::new(
+        taskbroker::store::PostgresStore::connect(&taskbroker::store::PostgresStoreConfig {
+            connect_timeout: Duration::from_millis(200),
+            ..taskbroker::store::PostgresStoreConfig::new("postgres://postgres@127.0.0.1:1/none")
+        })
+        .expect("store config"),
+    );
+    let metrics = Arc::new(Metrics::new());
+    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let pool: Context<StuckPool> = Context::new();
+    let fetcher = FetchActor::new(
+        BucketRange::ALL,
+        FetchConfig {
+            batch_size: BATCH,
+            backoff: Duration::from_millis(5),
+            queue_timeout: Duration::from_millis(50),
+            lease: Duration::from_secs(60),
+            fair_dispatch: true,
+            #[cfg(feature = "test-hooks")]
+            release_on_full: true,
+        },
+        handle,
+        pool.address().recipient(),
+        ClaimRegistry::new(),
+        Arc::clone(&metrics),
+    )
+    .start();
+    const ATTEMPTS: u64 = 20;
+    common::wait_until("claims keep failing", WAIT, || {
+        let failed = metrics
+            .store_errors
+            .with_label_values(&["claim_for_push", "unavailable"])
+            .get();
+        async move { failed >= ATTEMPTS }
+    })
+    .await;
+    fetcher
+        .send(StopFetching)
+        .await
+        .expect("fetch actor answers");
+    let lines = seen.load(std::sync::atomic::Ordering::SeqCst);
+    // At most one: the first failure (another test of this binary may have
+    // used the process's line for this interval).
+    assert!(
+        lines <= 1,
+        "{lines} 'claim failed' lines for {ATTEMPTS}+ failed claims"
+    );
+}

@@ -31,6 +31,7 @@ const SET_STATUS: &str = "/sentry_protos.taskbroker.v1.ConsumerService/SetTaskSt
 struct Api {
     _db: Option<TestStore>,
     store: Arc<dyn ActivationStore>,
+    metrics: Arc<Metrics>,
     addr: SocketAddr,
     _shutdown: tokio::sync::oneshot::Sender<()>,
 }
@@ -54,7 +55,12 @@ impl Api {
     ) -> Api {
         let metrics = Arc::new(Metrics::new());
         let store_actor = common::start_store_actor(store.clone(), Arc::clone(&metrics));
-        let api = ConsumerApi::new(store_actor, mode, Duration::from_secs(3), metrics);
+        let api = ConsumerApi::new(
+            store_actor,
+            mode,
+            Duration::from_secs(3),
+            Arc::clone(&metrics),
+        );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
@@ -75,6 +81,7 @@ impl Api {
         Api {
             _db: db,
             store,
+            metrics,
             addr,
             _shutdown: shutdown,
         }
@@ -220,6 +227,48 @@ async fn set_task_status_completes_and_is_idempotent_for_unknown_ids(backend: Ba
         .set_task_status(set_status("", TaskActivationStatus::Failure))
         .await
         .unwrap();
+}
+
+/// Each report is counted once as received (by its status, or as
+/// invalid) and each valid one once by what its write did, so summing
+/// either counter counts reports; late reports are counted apart.
+#[actix_rt::test]
+async fn each_report_is_counted_once_as_received_and_once_as_written() {
+    let api = Api::start(DeliveryMode::Pull, vec![]).await;
+    let mut client = api.client().await;
+    insert(api.store.as_ref(), &[row("done"), row("again")]).await;
+    client.get_task(GetTaskRequest::default()).await.unwrap();
+    client.get_task(GetTaskRequest::default()).await.unwrap();
+    let reports = [
+        set_status("done", TaskActivationStatus::Complete),
+        set_status("done", TaskActivationStatus::Complete),
+        set_status("again", TaskActivationStatus::Retry),
+        set_status("never-stored", TaskActivationStatus::Failure),
+    ];
+    for report in reports {
+        client.set_task_status(report).await.unwrap();
+    }
+    client
+        .set_task_status(set_status("done", TaskActivationStatus::Pending))
+        .await
+        .expect_err("a worker cannot report Pending");
+    let reports = |status| Metrics::count(&api.metrics.status_reports, status);
+    let written = |result| Metrics::count(&api.metrics.status_updates, result);
+    assert_eq!(
+        (
+            reports("complete"),
+            reports("retry"),
+            reports("failure"),
+            reports("invalid")
+        ),
+        (2, 1, 1, 1)
+    );
+    // The second COMPLETE finds the row gone, as does the unknown id.
+    assert_eq!(
+        (written("updated"), written("ignored"), written("missing")),
+        (2, 0, 2)
+    );
+    assert_eq!(api.metrics.status_updates_late.get(), 0);
 }
 
 #[actix_rt::test]

@@ -414,6 +414,7 @@ async fn a_task_retried_three_times_yields_three_new_activations() {
             health: Default::default(),
             rules: taskbroker::runtime::RuntimeRules::none(),
             top_namespaces: 10,
+            membership: None,
         },
         harness.store_actor.clone(),
         vec![],

@@ -529,13 +529,13 @@ async fn hanging_push_times_out_and_is_undone_without_duplicates() {
     // Processing.)
     assert_eq!(harness.pushes("ok"), ROWS);
     // Every first delivery hung until the push timeout; pushes that spent
-    // their time budget waiting for the backed-off endpoint count as
-    // timeouts too. Each was undone, none consumed an attempt.
+    // their time budget waiting for the backed-off endpoint were never sent
+    // and count as `backoff`. Each was undone, none consumed an attempt.
     let timeouts = harness.pushes("timeout");
     assert!(timeouts >= ROWS, "{timeouts} timeouts");
     assert_eq!(
         Metrics::count(&harness.metrics.claims_released, "push_failed"),
-        timeouts
+        timeouts + harness.pushes("backoff")
     );
     assert_eq!(harness.pushes("stale"), 0);
     assert_eq!(harness.attempts_consumed().await, 0);
@@ -637,8 +637,9 @@ async fn idle_fetch_actors_are_woken_when_rows_are_stored() {
     harness
         .wait_for(ActivationStatus::Processing, 10, Duration::from_secs(10))
         .await;
-    assert_eq!(Metrics::count(&metrics.pushes, "ok"), 10);
+    // Counted once the push's write returned: final once the pool drained.
     pipeline.stop().await;
+    assert_eq!(Metrics::count(&metrics.pushes, "ok"), 10);
 }
 
 /// Fetchers that keep finding nothing poll less and less (the pause
@@ -811,6 +812,46 @@ async fn slow_worker_behind_a_tiny_pool_never_gets_a_task_twice() {
     assert_eq!(harness.pushes("lease_expired"), 0);
 }
 
+/// An accepted push whose row moved on before the mark-processing write is
+/// counted once, as `stale`, not also as `ok`: the results partition the
+/// pushes, so summing them counts each push once.
+#[actix_rt::test]
+async fn a_stale_accepted_push_is_counted_once_as_stale() {
+    let harness = Harness::new().await;
+    // Answers each push a second after it arrives (the push timeout is
+    // longer).
+    let slow = FakeWorker::start(Mode::Accept {
+        delay: Duration::from_secs(1),
+    })
+    .await;
+    let ids = harness.insert("moved", 1).await;
+    let mut config = config(&[&slow]);
+    config.push.push_timeout = Duration::from_secs(10);
+    config.fetch.lease = derived_lease(&config);
+    let pipeline = harness.start(config);
+    wait_until(
+        "the push reached the worker",
+        Duration::from_secs(30),
+        || {
+            let arrived = slow.seen.attempts();
+            async move { arrived == 1 }
+        },
+    )
+    .await;
+    // While the worker holds its answer, the row goes away (as when the
+    // worker's report of an earlier delivery finished it).
+    assert_eq!(harness.store.delete_batch(&ids).await.unwrap(), 1);
+    wait_until("the push is counted", Duration::from_secs(30), || {
+        let counted = harness.pushes("ok") + harness.pushes("stale");
+        async move { counted >= 1 }
+    })
+    .await;
+    pipeline.stop().await;
+    assert_eq!(harness.pushes("stale"), 1);
+    assert_eq!(harness.pushes("ok"), 0, "a stale push is not also ok");
+    assert_eq!(slow.seen.accepted().len(), 1);
+}
+
 /// A claim whose lease cannot cover one more push is never pushed: it is
 /// returned to Pending (fenced, no attempt consumed) and counted.
 #[actix_rt::test]
@@ -880,9 +921,14 @@ async fn at_most_once_push_to_a_refused_connection_is_retried_later() {
     wait_until(
         "each push was refused at least twice",
         Duration::from_secs(20),
-        || async { harness.pushes("error") >= 2 * ROWS },
+        || async { harness.pushes("unreachable") >= 2 * ROWS },
     )
     .await;
+    // Refused connections are `unreachable` (never sent), and pushes held
+    // back by the endpoint's backoff are `backoff`: neither is a timeout
+    // nor an error that may have reached the worker.
+    assert_eq!(harness.pushes("timeout"), 0);
+    assert_eq!(harness.pushes("error"), 0);
     assert_eq!(harness.count(ActivationStatus::Failure).await, 0);
     assert_eq!(harness.attempts_consumed().await, 0);
 

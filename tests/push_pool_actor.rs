@@ -176,14 +176,23 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
         async move { now == CONCURRENCY }
     })
     .await;
+    assert_eq!(
+        metrics.worker_pushes_in_flight(),
+        CONCURRENCY as i64,
+        "taskbroker_worker_pushes_in_flight shows the hung pushes"
+    );
     // Every push ends, and every claim is settled by its store write.
     common::wait_until("every push has ended and been written", WAIT, || {
-        let ended = Metrics::count(&metrics.pushes, "timeout");
+        // Pushes that spent their time budget waiting for the endpoint's
+        // backoff were never sent: `backoff`, not `timeout`.
+        let ended =
+            Metrics::count(&metrics.pushes, "timeout") + Metrics::count(&metrics.pushes, "backoff");
         let settled = registry.is_empty();
         async move { ended == TASKS as u64 && settled }
     })
     .await;
 
+    assert_eq!(metrics.worker_pushes_in_flight(), 0);
     assert_eq!(
         held.most.load(Ordering::SeqCst),
         CONCURRENCY,
@@ -192,6 +201,7 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
     for label in [
         "ok",
         "error",
+        "unreachable",
         "busy",
         "too_large",
         "lease_expired",

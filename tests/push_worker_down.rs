@@ -18,6 +18,8 @@ use taskbroker::model::ActivationStatus;
 use taskbroker::store::{ActivationStore, PostgresStore};
 
 const FAILURE_LOG: &str = "push to worker failed; backing off";
+/// Connections per worker URL (`WORKER_CONNECTIONS`' default).
+const CONNECTIONS: i64 = 8;
 
 /// Log output, kept for the test to count lines in.
 #[derive(Clone, Default)]
@@ -118,14 +120,28 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
 
     // Kill the worker, keep the inflow coming for 3 s.
     worker.kill();
-    let failed_before = Metrics::count(&metrics.pushes, "error");
+    let refused_before = Metrics::count(&metrics.pushes, "unreachable");
+    let timeouts_before = Metrics::count(&metrics.pushes, "timeout");
     let logs_before = logs.count(FAILURE_LOG);
     for chunk in all[100..].chunks(100) {
         store.insert_batch(chunk).await.unwrap();
         pipeline.wake();
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
-    let attempts_while_down = Metrics::count(&metrics.pushes, "error") - failed_before;
+    // Every connection to the dead worker is backing off: the endpoint is
+    // down on /metrics.
+    wait_until(
+        "every connection to the dead worker backs off",
+        Duration::from_secs(10),
+        || {
+            let ready = metrics.worker_connections_in("ready");
+            let backing_off = metrics.worker_connections_in("backing_off");
+            async move { ready == 0 && backing_off == CONNECTIONS }
+        },
+    )
+    .await;
+    let attempts_while_down = Metrics::count(&metrics.pushes, "unreachable") - refused_before;
+    let timeouts_while_down = Metrics::count(&metrics.pushes, "timeout") - timeouts_before;
     let log_lines_while_down = logs.count(FAILURE_LOG) - logs_before;
 
     let seen_before = worker.seen.attempts();
@@ -147,6 +163,13 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
         processing(600),
     )
     .await;
+    // Connections that carried a push since are ready again; the others
+    // say backing off until their next push.
+    assert!(metrics.worker_connections_in("ready") > 0);
+    assert_eq!(
+        metrics.worker_connections_in("ready") + metrics.worker_connections_in("backing_off"),
+        CONNECTIONS
+    );
     pipeline.stop().await;
 
     // How many attempts a dead worker gets (the first burst, then one probe
@@ -155,7 +178,18 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
     // src/actors/push_pool/endpoints_tests.rs; here only that the pool kept
     // trying.
     assert!(attempts_while_down > 0);
+    // A refused connection is `unreachable`, and a push held back while the
+    // endpoint backs off is `backoff`: neither is a timeout (issue 20 saw
+    // 819 of 950 refused pushes counted as timeouts).
+    assert_eq!(timeouts_while_down, 0);
+    assert!(Metrics::count(&metrics.pushes, "backoff") > 0);
     let text = logs.text();
+    // The failure line keeps the cause, not only tonic's "tcp connect error".
+    assert!(
+        text.lines()
+            .any(|line| line.contains(FAILURE_LOG) && line.contains("Connection refused")),
+        "{text}"
+    );
     assert!(!text.contains("hunter2"), "credentials logged: {text}");
     assert!(
         text.lines()

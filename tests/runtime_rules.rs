@@ -396,18 +396,21 @@ async fn a_concurrency_limit_holds_across_two_brokers_sharing_postgres() {
     const LIMIT: u64 = 3;
     let db = TestStore::new(Backend::Postgres).await;
     let store = db.store().await;
+    // A store (and so a broker id) of its own for each broker.
+    let stores = [db.store().await, db.store().await];
     let kafka = MockKafka::start();
     kafka.create_topic("tasks", 2);
     let runtime = RuntimeDir::new();
     runtime.write(&format!("concurrency_limits:\n  capped: {LIMIT}\n"));
     let worker = FakeWorker::start(Mode::accept()).await;
-    let brokers: Vec<Broker> = (0..2)
-        .map(|_| {
+    let brokers: Vec<Broker> = stores
+        .iter()
+        .map(|store| {
             let endpoints = format!("*={}", worker.url());
             let metrics = Arc::new(Metrics::new());
             start(
                 &db,
-                &store,
+                store,
                 &kafka,
                 &runtime,
                 &[("WORKER_ENDPOINTS", endpoints)],

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
 
+use super::liveness::Liveness;
 use super::store::{ReleaseClaims, StoreHandle};
 use crate::metrics::Metrics;
 use crate::model::ClaimToken;
@@ -29,20 +30,33 @@ use crate::model::ClaimToken;
 pub struct ClaimRegistry {
     held: Arc<Mutex<HashSet<ClaimToken>>>,
     shutdown: Arc<watch::Sender<bool>>,
+    /// Whether this broker may still claim and push (`liveness.rs`).
+    liveness: Liveness,
 }
 
 impl Default for ClaimRegistry {
+    /// Unfenced: for a pipeline run without a broker row.
     fn default() -> Self {
-        ClaimRegistry {
-            held: Arc::default(),
-            shutdown: Arc::new(watch::Sender::new(false)),
-        }
+        ClaimRegistry::fenced_by(Liveness::unfenced())
     }
 }
 
 impl ClaimRegistry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A registry whose holders claim and push only while `liveness` allows.
+    pub fn fenced_by(liveness: Liveness) -> Self {
+        ClaimRegistry {
+            held: Arc::default(),
+            shutdown: Arc::new(watch::Sender::new(false)),
+            liveness,
+        }
+    }
+
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
     }
 
     /// Shutdown begins: holders stop claiming and pushing, and a guard
@@ -97,6 +111,8 @@ impl ClaimRegistry {
 /// One claimed activation's fence, releasing itself if dropped while armed.
 pub struct ClaimGuard {
     token: Option<ClaimToken>,
+    /// The liveness generation the claim was made in (`liveness.rs`).
+    generation: u64,
     /// When the claim was handed to this guard (just after the claim
     /// statement returned), for the claimed → pushed stage.
     claimed_at: std::time::Instant,
@@ -115,6 +131,7 @@ impl ClaimGuard {
         registry.insert(token.clone());
         ClaimGuard {
             token: Some(token),
+            generation: 0,
             claimed_at: std::time::Instant::now(),
             registry,
             store,
@@ -130,6 +147,19 @@ impl ClaimGuard {
 
     pub fn claimed_at(&self) -> std::time::Instant {
         self.claimed_at
+    }
+
+    /// The claim was made in liveness `generation` (read before the claim
+    /// statement was sent).
+    pub fn in_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    /// Whether this claim may be pushed now: its generation is current
+    /// and this broker's heartbeat is recent (`liveness.rs`). No query.
+    pub fn may_push(&self) -> bool {
+        self.registry.liveness.may_push(self.generation)
     }
 
     /// The write ending this claim completed (or was handed to a statement

@@ -262,6 +262,13 @@ impl Submitter {
         if self.registry.is_shutting_down() {
             return Iteration::Stopped;
         }
+        // Read before the claim: a takeover while the statement runs
+        // makes these claims stale, never pushable.
+        let Some(generation) = self.registry.liveness().current() else {
+            // No heartbeat confirmed lately: a peer may be taking this
+            // broker over, so it claims nothing until one is.
+            return Iteration::Backoff;
+        };
         let claimed = self
             .store
             .call(ClaimBatch {
@@ -274,7 +281,11 @@ impl Submitter {
         let claimed = match claimed {
             Ok(rows) => rows,
             Err(err) => {
-                tracing::warn!(error = %err, "claim failed; backing off");
+                // Every FetchActor retries every backoff while the store is
+                // away: one line per interval for all of them, with the
+                // count of those left out (`taskbroker_store_operation_errors_total`
+                // counts each).
+                crate::warn_throttled!(error = %err, "claim failed; backing off");
                 return Iteration::Backoff;
             }
         };
@@ -299,7 +310,8 @@ impl Submitter {
                 self.registry.clone(),
                 self.store.clone(),
                 Arc::clone(&self.metrics),
-            );
+            )
+            .in_generation(generation);
             PushActivation { activation, claim }
         });
         // Guards are created lazily by the iterator; collect them now so
@@ -380,7 +392,7 @@ impl Submitter {
                     .inc_by(released);
             }
             Err(err) => {
-                tracing::warn!(error = %err, reason, "cannot release claims; their lease will");
+                crate::warn_throttled!(error = %err, reason, "cannot release claims; their lease will");
             }
         }
         guards.into_iter().for_each(ClaimGuard::settle);

@@ -6,6 +6,8 @@
 pub mod claims;
 pub mod consumer;
 pub mod fetch;
+pub mod heartbeat;
+pub mod liveness;
 pub mod push_pool;
 pub mod store;
 pub mod upkeep;

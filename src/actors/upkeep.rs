@@ -30,14 +30,27 @@
 //! bytes produced to the demoted topic, and only rows Kafka acknowledged
 //! are deleted.
 //!
+//! A cycle first asks whether the table holds any row: every step and
+//! publishing work on rows, so on an empty store (an idle broker) the cycle
+//! is that one statement, and the gauges are set to an empty store's.
+//!
 //! Each cycle also refreshes the max-lag gauge (from indexes); the
 //! per-status and per-namespace counts, which read the whole table (one
 //! `GROUP BY namespace, status` for both), are refreshed at most every
 //! [`STATUS_COUNT_INTERVAL`].
 //!
-//! Right after startup, claim-lease and processing-deadline expiry wait
+//! The broker's row in the store (`heartbeat.rs`) is kept here too, on a
+//! timer of its own so a long cycle never delays a heartbeat: joining at
+//! startup (which releases the claims a previous incarnation left), a
+//! heartbeat every `HEARTBEAT_INTERVAL_MS`, and the takeover of peers
+//! whose heartbeat went silent.
+//!
+//! After a cold start (no peer was live when this broker joined: all of
+//! them were down, or SQLite), processing-deadline expiry waits
 //! `RESTART_GRACE_SEC`, so workers can still report results for tasks they
-//! received before the restart.
+//! received before the restart. With a live peer there is no wait: workers
+//! could report to it all along. Claim leases never wait: a lease that
+//! expired belongs to a broker that is gone or stuck.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,8 +68,9 @@ use tokio::time::Instant;
 pub const STATUS_COUNT_INTERVAL: Duration = Duration::from_secs(10);
 
 use super::fetch::WakeFetch;
+use super::heartbeat::{Member, MembershipConfig};
 use super::store::{
-    CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines,
+    CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines, HasRows,
     MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
     RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage,
     TakeDemoted, TakeForPublish,
@@ -99,6 +113,10 @@ pub struct UpkeepConfig {
     /// How many namespaces get series of their own on the per-namespace
     /// gauges; the rest are summed as `other`.
     pub top_namespaces: usize,
+    /// The broker's row and heartbeat; `None`: none kept (an upkeep run on
+    /// its own, as in tests), and deadlines wait the grace as after a cold
+    /// start.
+    pub membership: Option<MembershipConfig>,
 }
 
 /// Run one upkeep cycle now (unless one is running). Answers whether a cycle
@@ -125,6 +143,8 @@ pub struct UpkeepActor {
     running: bool,
     publishing: Arc<AtomicBool>,
     next: Option<SpawnHandle>,
+    /// The broker's row and heartbeat (`heartbeat.rs`), when kept.
+    member: Option<Member>,
 }
 
 impl UpkeepActor {
@@ -152,6 +172,14 @@ impl UpkeepActor {
             forward: default,
         };
         let interval = config.interval;
+        let member = config.membership.clone().map(|membership| {
+            Member::new(
+                membership,
+                store.clone(),
+                Arc::clone(&metrics),
+                config.health.clone(),
+            )
+        });
         Ok(UpkeepActor {
             config,
             store,
@@ -164,6 +192,7 @@ impl UpkeepActor {
             running: false,
             publishing: Arc::new(AtomicBool::new(false)),
             next: None,
+            member,
         })
     }
 
@@ -172,6 +201,39 @@ impl UpkeepActor {
     pub fn with_step_budget(mut self, budget: Duration) -> Self {
         self.step_budget = budget;
         self
+    }
+
+    /// Whether processing deadlines may expire yet (see the module docs).
+    fn deadlines_allowed(&self) -> bool {
+        let graced = self.started_at.elapsed() >= self.config.restart_grace;
+        match self.member.as_ref().map(Member::joined) {
+            None => graced,
+            Some(None) => false,
+            Some(Some(peers_were_live)) => peers_were_live || graced,
+        }
+    }
+
+    /// One turn of the heartbeat timer (`Member::turn`), unless the last
+    /// one is still under way.
+    fn keep_membership(&mut self, ctx: &mut Context<Self>) {
+        let Some(turn) = self.member.as_mut().and_then(Member::turn) else {
+            return;
+        };
+        ctx.spawn(turn.into_actor(self).map(|result, act, _ctx| {
+            if act
+                .member
+                .as_mut()
+                .is_some_and(|member| member.settle(result))
+            {
+                act.wake_fetchers();
+            }
+        }));
+    }
+
+    fn wake_fetchers(&self) {
+        for fetcher in &self.wake {
+            let _ = fetcher.try_send(WakeFetch);
+        }
     }
 
     fn schedule(&mut self, ctx: &mut Context<Self>) {
@@ -186,6 +248,10 @@ impl Actor for UpkeepActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(interval) = self.member.as_ref().map(Member::interval) {
+            self.keep_membership(ctx);
+            ctx.run_interval(interval, |act, ctx| act.keep_membership(ctx));
+        }
         ctx.notify(RunUpkeep);
     }
 }
@@ -212,34 +278,42 @@ impl Handler<RunUpkeep> for UpkeepActor {
             store: self.store.clone(),
             producers: self.producers.clone(),
             metrics: Arc::clone(&self.metrics),
-            expiry_allowed: self.started_at.elapsed() >= self.config.restart_grace,
+            deadlines_allowed: self.deadlines_allowed(),
             step_budget: self.step_budget,
             count_statuses,
         });
-        // Publishing waits for Kafka's acknowledgements, which take up to the
-        // delivery timeout while Kafka is down: it runs beside the cycle (one
-        // publishing run at a time) so expiry, deadlines and delays keep
-        // their interval meanwhile.
-        if !self.publishing.swap(true, Ordering::AcqRel) {
-            let publishing = Arc::clone(&self.publishing);
-            let cycle = Arc::clone(&cycle);
-            actix_rt::spawn(async move {
-                futures::join!(
-                    cycle.publish(PublishKind::Retry),
-                    cycle.publish(PublishKind::DeadLetter),
-                    cycle.forward_demoted()
-                );
-                publishing.store(false, Ordering::Release);
-            });
-        }
-        ctx.spawn(cycle.run().into_actor(self).map(|runnable, act, ctx| {
+        let publishing = Arc::clone(&self.publishing);
+        let work = async move {
+            // Every step works on rows: an empty store (an idle broker) is
+            // one cheap question instead of a statement per step. A failed
+            // question runs the cycle, whose steps count their own errors.
+            if matches!(cycle.store.call(HasRows {}).await, Ok(false)) {
+                cycle.idle_gauges();
+                return false;
+            }
+            // Publishing waits for Kafka's acknowledgements, which take up
+            // to the delivery timeout while Kafka is down: it runs beside
+            // the cycle (one publishing run at a time) so expiry, deadlines
+            // and delays keep their interval meanwhile.
+            if !publishing.swap(true, Ordering::AcqRel) {
+                let cycle = Arc::clone(&cycle);
+                actix_rt::spawn(async move {
+                    futures::join!(
+                        cycle.publish(PublishKind::Retry),
+                        cycle.publish(PublishKind::DeadLetter),
+                        cycle.forward_demoted()
+                    );
+                    publishing.store(false, Ordering::Release);
+                });
+            }
+            cycle.run().await
+        };
+        ctx.spawn(work.into_actor(self).map(|runnable, act, ctx| {
             act.running = false;
             act.metrics.upkeep_cycles.inc();
             act.config.health.upkeep_cycle_completed();
             if runnable {
-                for fetcher in &act.wake {
-                    let _ = fetcher.try_send(WakeFetch);
-                }
+                act.wake_fetchers();
             }
             act.schedule(ctx);
         }));
@@ -248,10 +322,20 @@ impl Handler<RunUpkeep> for UpkeepActor {
 }
 
 impl Handler<StopUpkeep> for UpkeepActor {
-    type Result = ();
+    type Result = ResponseActFuture<Self, ()>;
 
-    fn handle(&mut self, _: StopUpkeep, ctx: &mut Self::Context) {
-        ctx.stop();
+    /// Leaves the brokers table (a clean stop is no takeover), then stops.
+    fn handle(&mut self, _: StopUpkeep, _ctx: &mut Self::Context) -> Self::Result {
+        let leave = self.member.as_ref().map(Member::leave);
+        Box::pin(
+            async move {
+                if let Some(leave) = leave {
+                    leave.await;
+                }
+            }
+            .into_actor(self)
+            .map(|(), _act, ctx| ctx.stop()),
+        )
     }
 }
 
@@ -270,7 +354,8 @@ struct Cycle {
     store: StoreHandle,
     producers: Producers,
     metrics: Arc<Metrics>,
-    expiry_allowed: bool,
+    /// Processing deadlines may expire (no restart grace in force).
+    deadlines_allowed: bool,
     step_budget: Duration,
     /// Whether this cycle counts the rows per status.
     count_statuses: bool,
@@ -329,15 +414,15 @@ impl Cycle {
         self.repeat("discard_failures", || DiscardFailures { limit })
             .await;
         let mut runnable = 0;
-        if self.expiry_allowed {
-            let released = self
-                .repeat("release_expired_claims", || ReleaseExpiredClaims { limit })
-                .await;
-            self.metrics
-                .claims_released
-                .with_label_values(&["lease_expired"])
-                .inc_by(released);
-            runnable += released;
+        let released = self
+            .repeat("release_expired_claims", || ReleaseExpiredClaims { limit })
+            .await;
+        self.metrics
+            .claims_released
+            .with_label_values(&["lease_expired"])
+            .inc_by(released);
+        runnable += released;
+        if self.deadlines_allowed {
             runnable += self.processing_deadlines().await;
         }
         let max_attempts = self.config.max_attempts;
@@ -404,7 +489,9 @@ impl Cycle {
 
     fn failed<T>(&self, name: &'static str, err: &dyn std::fmt::Display) -> Option<T> {
         self.metrics.upkeep_errors.with_label_values(&[name]).inc();
-        tracing::warn!(step = name, error = %err, "upkeep step failed");
+        // Every step fails every cycle while the store is away: one line per
+        // interval, with the count left out (the metric counts each).
+        crate::warn_throttled!(step = name, error = %err, "upkeep step failed");
         None
     }
 
@@ -533,7 +620,7 @@ impl Cycle {
                     }
                     Err((err, _)) => {
                         metrics.published.with_label_values(&[label, "error"]).inc();
-                        tracing::warn!(activation_id = %row.id, error = %err, topic = %topic,
+                        crate::warn_throttled!(activation_id = %row.id, error = %err, topic = %topic,
                             "publish not acknowledged; the row stays and is published later");
                         Delivery::Failed
                     }
@@ -655,7 +742,7 @@ impl Cycle {
                 Ok(_) => forwarded.push(row.id.clone()),
                 Err((err, _)) => {
                     all_delivered = false;
-                    tracing::warn!(activation_id = %row.id, topic, error = %err,
+                    crate::warn_throttled!(activation_id = %row.id, topic, error = %err,
                         "cannot forward a demoted task; it stays and is forwarded again \
                          after its lease");
                 }
@@ -678,6 +765,14 @@ impl Cycle {
             .with_label_values(&[FORWARD_DEMOTED])
             .observe(started.elapsed().as_secs_f64());
         removed.filter(|_| all_delivered)
+    }
+
+    /// The gauges of an empty store, without asking it again.
+    fn idle_gauges(&self) {
+        if self.count_statuses {
+            self.set_count_gauges(&[]);
+        }
+        self.metrics.max_lag_seconds.set(0.0);
     }
 
     async fn refresh_gauges(&self) {

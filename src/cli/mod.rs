@@ -1,20 +1,21 @@
 //! The `taskbroker` binary's own modules: what its commands need that the
 //! broker library does not: `demo` (`taskbroker demo` and `taskbroker
-//! demo-worker`), `inspect` (`taskbroker inspect`) and `dlq` (`taskbroker
-//! dlq list|show|redrive`); the broker commands
+//! demo-worker`), `inspect` (`taskbroker inspect`), `dlq` (`taskbroker
+//! dlq list|show|redrive`) and `produce` (`taskbroker produce`); the broker commands
 //! themselves (`run`, `migrate`, `config`, `healthcheck`) are small enough
 //! to stay in main.rs.
 
 pub mod demo;
 pub mod dlq;
 pub mod inspect;
+pub mod produce;
 
 use std::future::Future;
 use std::process::ExitCode;
 
 use taskbroker::config::Config;
 
-/// Runs an operator's tool (`inspect`, `dlq`): reads the configuration,
+/// Runs an operator's tool (`inspect`, `dlq`, `produce`): reads the configuration,
 /// minus push mode's one requirement (`WORKER_ENDPOINTS`), which a tool
 /// that only reads the store or Kafka must not need; runs `tool` on a
 /// runtime of its own; prints its error as `taskbroker <name>: …` and exits

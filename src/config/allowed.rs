@@ -82,6 +82,8 @@ pub enum Allowed {
     List,
     /// The [`WorkerEndpoints`] format.
     WorkerEndpoints,
+    /// `tracing` filter directives, each a level or `target=level`.
+    LogFilter,
     /// Any text.
     Text,
 }
@@ -137,6 +139,11 @@ impl Allowed {
             Allowed::WorkerEndpoints => {
                 "`app=url|url;app2=url;*=url` with `http://` or `https://` URLs".to_owned()
             }
+            Allowed::LogFilter => format!(
+                "a level ({}) or comma-separated `target=level` directives, e.g. \
+                 `info,taskbroker=debug`",
+                code_list(LOG_LEVELS, "", ", ")
+            ),
             Allowed::Text => "any text".to_owned(),
         }
     }
@@ -231,9 +238,39 @@ impl Allowed {
             Allowed::WorkerEndpoints => WorkerEndpoints::parse(raw)
                 .map(Value::Endpoints)
                 .map_err(Some),
+            Allowed::LogFilter => check_log_filter(raw)
+                .map(|()| Value::Text(raw.to_owned()))
+                .map_err(Some),
             Allowed::Text => Ok(Value::Text(raw.to_owned())),
         }
     }
+}
+
+/// The levels a log filter directive may name.
+pub const LOG_LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
+
+/// A `tracing` filter as `TASKBROKER_LOG` takes it: every comma-separated
+/// directive is a level, or `target=level` (a target may carry span and
+/// field filters). A bare word that is not a level (`verbose`, `inf`) would
+/// be read by `tracing` as a target to log at every level, which switches
+/// everything else off: it is refused, naming the directive.
+pub fn check_log_filter(raw: &str) -> Result<(), String> {
+    let is_level = |word: &str| LOG_LEVELS.contains(&word.trim().to_ascii_lowercase().as_str());
+    for directive in raw.split(',').map(str::trim) {
+        let valid = match directive.rsplit_once('=') {
+            None => is_level(directive),
+            Some((target, level)) => !target.trim().is_empty() && is_level(level),
+        };
+        if !valid {
+            return Err(format!(
+                "`{directive}` is neither a level nor a `target=level` directive"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(raw)
+        .map(drop)
+        .map_err(|err| err.to_string())
 }
 
 /// Comma-separated items, trimmed, none empty.

@@ -116,7 +116,8 @@ macro_rules! word_enum {
                 }
             }
 
-            fn from_word(word: &str) -> Option<Self> {
+            /// The value a word (as written in the environment, lower case) names.
+            pub(crate) fn from_word(word: &str) -> Option<Self> {
                 match word {
                     $($word => Some(Self::$variant),)+
                     _ => None,

@@ -30,7 +30,7 @@ mod settings;
 pub mod test_hooks;
 mod topics;
 
-pub use allowed::{Allowed, Setting};
+pub use allowed::{Allowed, LOG_LEVELS, Setting, check_log_filter};
 pub use endpoints::{WorkerEndpoints, redact_url};
 pub use error::{ConfigError, Problem};
 pub use reference::reference_markdown;
@@ -76,6 +76,24 @@ impl Config {
         Self::from_values(values.checked()?)
     }
 
+    /// [`Config::from_env`] for the commands that do not run the broker (`config`,
+    /// `migrate`): every setting is checked as for running it, except that push mode may
+    /// leave `WORKER_ENDPOINTS` unset (a migration Job has no workers to name).
+    pub fn from_env_without_running() -> Result<Self, ConfigError> {
+        Self::from_lookup_without_running(|variable| {
+            std::env::var_os(variable).map(|value| value.to_string_lossy().into_owned())
+        })
+    }
+
+    /// [`Config::from_env_without_running`] through `lookup`.
+    pub fn from_lookup_without_running(
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut values = Values::read(&lookup);
+        values.read_cluster_properties(&lookup);
+        Self::from_values(values.not_for_running().checked()?)
+    }
+
     /// The claim lease: `CLAIM_LEASE_MS` when set, else derived so that it covers the longest
     /// legitimate time between a claim and its push result:
     ///
@@ -117,11 +135,30 @@ impl Config {
         }
     }
 
+    /// This broker's id in the store: `BROKER_ID` when set; else, in Kubernetes
+    /// (`KUBERNETES_SERVICE_HOST` set), the pod name `HOSTNAME`, which a container restart
+    /// keeps; else a fresh id, unique to this start. `env` reads the process environment.
+    pub fn broker_id(&self, env: impl Fn(&str) -> Option<String>) -> String {
+        if let Some(id) = &self.broker_id {
+            return id.clone();
+        }
+        let in_kubernetes = env("KUBERNETES_SERVICE_HOST").is_some_and(|host| !host.is_empty());
+        env("HOSTNAME")
+            .filter(|pod| in_kubernetes && parse::check_broker_id(pod).is_ok())
+            .unwrap_or_else(|| format!("broker-{}", uuid::Uuid::new_v4().simple()))
+    }
+
     /// Every setting as `TASKBROKER_NAME=value`, one per line in table order: secrets that are
     /// set show as `<redacted>`, unset settings with a derived value show it with `(derived)`.
     pub fn render_effective(&self) -> String {
+        self.render_effective_on(HOST_NAME_PLACEHOLDER)
+    }
+
+    /// [`Config::render_effective`] on the machine called `host_name`, so the derived
+    /// `GRPC_ADVERTISED_ADDR` shows the address workers will be sent.
+    pub fn render_effective_on(&self, host_name: &str) -> String {
         let mut out = String::new();
-        for (setting, value) in self.effective() {
+        for (setting, value) in self.effective(host_name) {
             let _ = writeln!(out, "{}={value}", setting.variable());
         }
         for (cluster, _) in &self.kafka_cluster_properties {
@@ -131,7 +168,10 @@ impl Config {
     }
 
     /// The displayed value of every setting, in table order.
-    fn effective(&self) -> impl Iterator<Item = (&'static Setting, String)> + '_ {
+    fn effective<'a>(
+        &'a self,
+        host_name: &'a str,
+    ) -> impl Iterator<Item = (&'static Setting, String)> + 'a {
         SETTINGS
             .iter()
             .zip(self.written_values())
@@ -140,7 +180,7 @@ impl Config {
                     Some(_) if setting.secret => REDACTED.to_owned(),
                     Some(value) => value,
                     None => self
-                        .derived_value_of(setting.name)
+                        .derived_value_of(setting.name, host_name)
                         .map(|value| format!("{value} (derived)"))
                         .unwrap_or_default(),
                 };
@@ -149,24 +189,27 @@ impl Config {
     }
 
     /// What an unset setting resolves to, for settings whose default is derived.
-    fn derived_value_of(&self, name: &str) -> Option<String> {
+    fn derived_value_of(&self, name: &str, host_name: &str) -> Option<String> {
         if name == key::CLAIM_LEASE_MS.name() {
             Some(self.claim_lease().as_millis().to_string())
         } else if name == key::KAFKA_RETRY_TOPIC.name() {
             Some(self.retry_topic())
         } else if name == key::GRPC_ADVERTISED_ADDR.name() {
-            Some(self.advertised_addr("<host name>"))
+            Some(self.advertised_addr(host_name))
         } else {
             None
         }
     }
 }
 
+/// Where the host name goes in a rendering that does not know it.
+const HOST_NAME_PLACEHOLDER: &str = "<host name>";
+
 /// Secrets never reach `{:?}`: this prints what `render_effective` prints.
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut debug = f.debug_struct("Config");
-        for (setting, value) in self.effective() {
+        for (setting, value) in self.effective(HOST_NAME_PLACEHOLDER) {
             debug.field(setting.name, &value);
         }
         debug.finish()
@@ -187,4 +230,35 @@ fn legitimate_push_path(
     queue_timeout
         .saturating_add(push_timeout.saturating_mul(rounds))
         .saturating_add(push_timeout)
+}
+
+/// `TASKBROKER_LOG` and `TASKBROKER_LOG_FORMAT` alone, checked as [`Config`] checks them, for
+/// the commands that read no other setting (`demo`, `demo-worker`); `default_filter` when
+/// `LOG` is unset or empty.
+pub fn log_settings(
+    lookup: impl Fn(&str) -> Option<String>,
+    default_filter: &str,
+) -> Result<(String, LogFormat), String> {
+    let read = |name: &str| {
+        lookup(&format!("{ENV_PREFIX}{name}"))
+            .map(|value| value.trim().to_owned())
+            .filter(|value| !value.is_empty())
+    };
+    let filter = read("LOG").unwrap_or_else(|| default_filter.to_owned());
+    check_log_filter(&filter).map_err(|why| {
+        format!(
+            "{ENV_PREFIX}LOG={filter}: must be {}: {why}",
+            Allowed::LogFilter.describe()
+        )
+    })?;
+    let format = match read("LOG_FORMAT") {
+        None => LogFormat::Text,
+        Some(word) => LogFormat::from_word(&word.to_ascii_lowercase()).ok_or_else(|| {
+            format!(
+                "{ENV_PREFIX}LOG_FORMAT={word}: must be {}",
+                Allowed::OneOf(LogFormat::WORDS).describe()
+            )
+        })?,
+    };
+    Ok((filter, format))
 }

@@ -120,6 +120,9 @@ pub(super) struct Values {
     problems: Vec<Problem>,
     /// `TASKBROKER_KAFKA_CLUSTER_<NAME>_CONFIG` of each cluster that sets it.
     cluster_properties: Vec<(String, Vec<(String, String)>)>,
+    /// Whether what only running the broker needs is required (push mode's
+    /// `WORKER_ENDPOINTS`); not for `config` and `migrate`.
+    for_running: bool,
 }
 
 impl Values {
@@ -128,6 +131,7 @@ impl Values {
             parsed: HashMap::with_capacity(SETTINGS.len()),
             problems: Vec::new(),
             cluster_properties: Vec::new(),
+            for_running: true,
         };
         for setting in SETTINGS {
             let given = lookup(&setting.variable())
@@ -297,9 +301,35 @@ impl Values {
         self.parsed.get(key.name).cloned().and_then(T::from_value)
     }
 
+    /// The broker id's form, and a takeover timeout that leaves a frozen
+    /// broker room to notice before its peers act.
+    fn check_membership(&mut self) {
+        if let Some(Some(id)) = self.peek(key::BROKER_ID)
+            && let Err(why) = check_broker_id(&id)
+        {
+            self.conflict(key::BROKER_ID, id, why);
+        }
+        if let (Some(interval), Some(timeout)) = (
+            self.peek(key::HEARTBEAT_INTERVAL_MS),
+            self.peek(key::TAKEOVER_TIMEOUT_MS),
+        ) && timeout < interval * 3
+        {
+            self.conflict(
+                key::TAKEOVER_TIMEOUT_MS,
+                timeout.as_millis().to_string(),
+                format!(
+                    "must be at least 3 × {ENV_PREFIX}HEARTBEAT_INTERVAL_MS = {} ms, so one \
+                     late heartbeat does not get a live broker taken over",
+                    interval.as_millis() * 3
+                ),
+            );
+        }
+    }
+
     /// Checks that involve more than one setting, on whichever of them parsed.
     fn check_combinations(&mut self) {
         self.check_topics();
+        self.check_membership();
         let push_timeout = self.peek(key::PUSH_TIMEOUT_MS);
         let queue_timeout = self.peek(key::PUSH_QUEUE_TIMEOUT_MS);
 
@@ -346,7 +376,8 @@ impl Values {
 
         let mode = self.peek(key::DELIVERY_MODE);
         let endpoints = self.peek(key::WORKER_ENDPOINTS);
-        if let (Some(DeliveryMode::Push), Some(endpoints)) = (mode, endpoints)
+        if let (true, Some(DeliveryMode::Push), Some(endpoints)) =
+            (self.for_running, mode, endpoints)
             && endpoints.is_empty()
         {
             self.conflict(
@@ -430,6 +461,14 @@ impl Values {
             .ok_or_else(|| Problem::internal(key.name, "value does not fit its Config field"))
     }
 
+    /// Leaves out the requirements of running the broker (push mode's
+    /// `WORKER_ENDPOINTS`): for commands that only show the settings or
+    /// migrate the store.
+    pub(super) fn not_for_running(mut self) -> Self {
+        self.for_running = false;
+        self
+    }
+
     /// Runs the checks across settings; the values if nothing was refused, else every
     /// problem: each setting on its own in table order, then the checks across settings.
     pub(super) fn checked(mut self) -> Result<Self, ConfigError> {
@@ -442,4 +481,20 @@ impl Values {
             })
         }
     }
+}
+
+/// The longest broker id accepted: a Kubernetes pod name is at most 253
+/// bytes.
+const MAX_BROKER_ID_BYTES: usize = 253;
+
+/// A broker id as `TASKBROKER_BROKER_ID` may give it: 1 to 253 bytes of
+/// printable ASCII without spaces (it appears in logs and in the store).
+pub(super) fn check_broker_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > MAX_BROKER_ID_BYTES {
+        return Err(format!("must be 1 to {MAX_BROKER_ID_BYTES} bytes long"));
+    }
+    if !id.bytes().all(|byte| byte.is_ascii_graphic()) {
+        return Err("must be printable ASCII without spaces".to_owned());
+    }
+    Ok(())
 }

@@ -420,7 +420,29 @@ settings! {
         allowed: Allowed::Seconds { min: 0, max: 3600 },
         secret: false,
         render: secs,
-        description: "After startup, upkeep waits this long before expiring processing deadlines and claim leases, so workers can report results held while the broker was down.",
+        description: "After a cold start (no other broker's heartbeat was live when this one registered, as always on SQLite), upkeep waits this long before expiring processing deadlines, so workers can report results held while no broker was up. Claims never wait for it: a restarted broker's own claims are released at startup, a silent peer's at takeover, and expired leases at once.",
+    },
+    /// `None`: derived at startup (`Config::broker_id`).
+    broker_id: Option<String> = BROKER_ID {
+        default: "",
+        allowed: Allowed::Text,
+        secret: false,
+        render: Option::clone,
+        description: "This broker's identity in the store: every claim records it, and a broker that starts with the id of one that died releases that one's claims at once. Must be unique among running brokers and at most 253 bytes of printable ASCII. Unset = the pod name (`HOSTNAME`) when running in Kubernetes (stable across container restarts; set it from the StatefulSet pod name to keep it across pod restarts too), else a fresh id per start.",
+    },
+    heartbeat_interval: Duration = HEARTBEAT_INTERVAL_MS {
+        default: "1000",
+        allowed: Allowed::Millis { min: 100, max: 60_000 },
+        secret: false,
+        render: ms,
+        description: "How often a broker refreshes its heartbeat row and looks for silent peers to take over.",
+    },
+    takeover_timeout: Duration = TAKEOVER_TIMEOUT_MS {
+        default: "3000",
+        allowed: Allowed::Millis { min: 300, max: 600_000 },
+        secret: false,
+        render: ms,
+        description: "A broker whose heartbeat is older than this is presumed dead: a peer removes its row and releases its claims at once. At least 3 × `HEARTBEAT_INTERVAL_MS`. A broker stops claiming and pushing when its own last accepted heartbeat is older than this less one interval, so a frozen broker never pushes what a peer took over.",
     },
     metrics_top_namespaces: usize = METRICS_TOP_NAMESPACES {
         default: "10",
@@ -446,10 +468,10 @@ settings! {
     /// Its syntax is checked where the subscriber is built.
     log: String = LOG {
         default: "info",
-        allowed: Allowed::Text,
+        allowed: Allowed::LogFilter,
         secret: false,
         render: text,
-        description: "tracing filter directives, e.g. `info,taskbroker=debug`.",
+        description: "What is logged (to stderr): a level, or `tracing` filter directives, e.g. `info,taskbroker=debug`.",
     },
     log_format: LogFormat = LOG_FORMAT {
         default: "text",

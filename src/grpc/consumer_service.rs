@@ -87,10 +87,11 @@ impl ConsumerApi {
         }
     }
 
-    fn count(&self, status: &str, result: &str) {
+    /// A report as received: its status, or `invalid`.
+    fn count(&self, status: &str) {
         self.metrics
-            .status_updates
-            .with_label_values(&[status, result])
+            .status_reports
+            .with_label_values(&[status])
             .inc();
     }
 }
@@ -146,7 +147,8 @@ const STORE_FAILED: &str = "internal store error";
 
 fn store_status(err: StoreError) -> Status {
     if err.is_unavailable() {
-        tracing::warn!(error = %err, "worker API call failed: store unavailable");
+        // Every worker call fails alike while the database is away.
+        crate::warn_throttled!(error = %err, "worker API call failed: store unavailable");
         Status::unavailable(STORE_UNAVAILABLE)
     } else {
         tracing::error!(error = %err, "worker API call failed in the store");
@@ -180,8 +182,8 @@ impl ConsumerService for ConsumerApi {
         request: Request<SetTaskStatusRequest>,
     ) -> Result<Response<SetTaskStatusResponse>, Status> {
         let request = request.into_inner();
-        let update = worker_update(&request).inspect_err(|_| self.count("unknown", "invalid"))?;
-        self.count(status_label(update.status), "received");
+        let update = worker_update(&request).inspect_err(|_| self.count("invalid"))?;
+        self.count(status_label(update.status));
         if !update.id.is_empty() {
             self.store
                 .call(ReportStatus::one(update))
@@ -212,10 +214,10 @@ impl ConsumerService for ConsumerApi {
             .iter()
             .map(worker_update)
             .collect::<Result<Vec<_>, _>>()
-            .inspect_err(|_| self.count("unknown", "invalid"))?;
+            .inspect_err(|_| self.count("invalid"))?;
         let updates: Vec<StatusUpdate> = updates
             .into_iter()
-            .inspect(|update| self.count(status_label(update.status), "received"))
+            .inspect(|update| self.count(status_label(update.status)))
             .filter(|update| !update.id.is_empty())
             .collect();
         if !updates.is_empty() {

@@ -255,7 +255,7 @@ impl ServerTls {
                     Err(err) => {
                         // Out of file descriptors and the like: pause
                         // rather than spin on the error.
-                        tracing::warn!(error = %err, "gRPC accept failed");
+                        crate::warn_throttled!(error = %err, "gRPC accept failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }

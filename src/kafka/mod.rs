@@ -66,6 +66,11 @@ pub const CONSUMER_PREFETCH_KIB: usize = 8 * 1024;
 pub const CONSUMER_SESSION_TIMEOUT_MS: u32 = 10_000;
 pub const CONSUMER_HEARTBEAT_INTERVAL_MS: u32 = 3_000;
 
+/// How often the consumer's librdkafka statistics arrive, unless
+/// `KAFKA_CONFIG` sets `statistics.interval.ms`: they carry each
+/// partition's lag (`taskbroker_consumer_lag`) at no request to Kafka.
+pub const CONSUMER_STATISTICS_INTERVAL_MS: u32 = 5_000;
+
 /// Room on top of an activation for a record's key, headers (the ingest
 /// dead-letter headers carry an error message) and protocol framing.
 pub const PRODUCER_HEADROOM_BYTES: usize = 64 * 1024;
@@ -142,6 +147,10 @@ impl KafkaSettings {
             (
                 "heartbeat.interval.ms",
                 CONSUMER_HEARTBEAT_INTERVAL_MS.to_string(),
+            ),
+            (
+                "statistics.interval.ms",
+                CONSUMER_STATISTICS_INTERVAL_MS.to_string(),
             ),
         ] {
             if self.property(key).is_none() {

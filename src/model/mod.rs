@@ -7,6 +7,7 @@
 //! these values, the actors move them, and neither rewrites protobuf.
 
 pub mod activation;
+mod broker;
 mod claim;
 mod report;
 pub mod retry;
@@ -17,6 +18,7 @@ pub use activation::{
     ActivationError, KafkaPosition, MAX_ID_BYTES, MAX_NAME_BYTES, TextProblem, check_text,
     inflight_from_record, timestamp_in_range,
 };
+pub use broker::{BeatAnswer, BrokerRow, Registration, Takeover};
 pub use claim::{ClaimToken, ClaimedActivation};
 pub use report::{
     DeadlineOutcome, NamespaceCount, NamespaceResult, NamespaceSummary, OTHER_NAMESPACES,

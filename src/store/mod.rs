@@ -24,14 +24,21 @@ pub use view::{GroupCount, Inspection, NearExpiry, StoreView};
 // The values the store's operations take and answer belong to the domain
 // and are imported from `crate::model` by everyone, the store included.
 use crate::model::{
-    ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
-    InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter, RetryEdit,
-    StatusCounts, StatusUpdate, StatusUpdateOutcome,
+    ActivationStatus, BeatAnswer, BrokerRow, BucketRange, ClaimToken, ClaimedActivation,
+    DeadlineOutcome, Dispatch, InflightActivation, Killswitch, NamespaceCount, PauseRule,
+    PublishKind, PullFilter, Registration, RetryEdit, StatusCounts, StatusUpdate,
+    StatusUpdateOutcome, Takeover,
 };
 
 use std::time::Duration;
 
 use async_trait::async_trait;
+
+/// A broker id no other process has: for a broker with nothing stable to
+/// call itself, and for stores opened by tools and tests.
+pub fn fresh_broker_id() -> String {
+    format!("broker-{}", uuid::Uuid::new_v4().simple())
+}
 
 /// Result of every store operation.
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -67,6 +74,10 @@ pub enum StoreError {
         column: &'static str,
         value: String,
     },
+    /// The database could not be reached at all (`target` names where:
+    /// `host:port`, never credentials).
+    #[error("cannot connect to PostgreSQL at {target}: {message}")]
+    Connect { target: String, message: String },
     #[error("migration failed: {0}")]
     Migration(String),
     #[error("invalid store configuration: {0}")]
@@ -75,13 +86,16 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, StoreError::Unavailable { .. })
+        matches!(
+            self,
+            StoreError::Unavailable { .. } | StoreError::Connect { .. }
+        )
     }
 
     /// Short, bounded label for metrics.
     pub fn kind(&self) -> &'static str {
         match self {
-            StoreError::Unavailable { .. } => "unavailable",
+            StoreError::Unavailable { .. } | StoreError::Connect { .. } => "unavailable",
             StoreError::Rejected { .. } => "rejected",
             StoreError::Query { .. } => "query",
             StoreError::InvalidRow { .. } => "invalid_row",
@@ -177,12 +191,66 @@ pub(crate) fn claimed_rows(
         .collect()
 }
 
+/// Broker identity and liveness (DESIGN.md, "Broker identity and
+/// recovery"): each store is opened for one broker id, written into every
+/// claim it makes (`claimed_by`), and each running broker keeps a row in
+/// `taskbroker_brokers` with a heartbeat.
+///
+/// Every release here is fenced like the others: it only returns rows
+/// still Claimed *by the broker named*, so a row claimed again by anyone
+/// else is never touched.
+#[async_trait]
+pub trait Membership: Send + Sync + 'static {
+    /// The broker id this store claims for.
+    fn broker_id(&self) -> &str;
+
+    /// Writes this broker's row (host, a fresh `incarnation`, started and
+    /// heartbeat now), replacing any row of a previous incarnation, and
+    /// answers how many other brokers' heartbeats are within `live_within`.
+    async fn register_broker(
+        &self,
+        host: &str,
+        incarnation: &str,
+        live_within: Duration,
+    ) -> StoreResult<Registration>;
+
+    /// Startup, before this incarnation claims anything: returns to Pending
+    /// the Claimed rows earlier incarnations of this broker left, which
+    /// nobody is pushing. PostgreSQL: rows claimed under this broker id.
+    /// SQLite: every Claimed row, since only one process can open the file
+    /// and so every claim in it belongs to a process that is gone. Never
+    /// consumes an attempt; Processing rows keep their deadlines.
+    async fn release_previous_claims(&self) -> StoreResult<u64>;
+
+    /// This broker id's row, if there is one: what a broker starting under
+    /// the id finds (its previous run's, or a live process's with the same
+    /// id).
+    async fn read_broker(&self) -> StoreResult<Option<BrokerRow>>;
+
+    /// Refreshes this broker's `heartbeat_at` if its row still has
+    /// `incarnation`, and counts the other brokers silent for longer than
+    /// `silent_after`; otherwise says whether the row is gone (a peer took
+    /// this broker over) or another process registered the same id.
+    async fn heartbeat(&self, incarnation: &str, silent_after: Duration)
+    -> StoreResult<BeatAnswer>;
+
+    /// Takes over every other broker whose heartbeat is older than
+    /// `timeout`: removes its row and returns its Claimed rows to Pending,
+    /// in one statement (PostgreSQL) or one write (SQLite). Peers doing
+    /// this at once take each broker over once.
+    async fn take_over_silent(&self, timeout: Duration) -> StoreResult<Vec<Takeover>>;
+
+    /// Clean shutdown: removes this broker's row if it still has
+    /// `incarnation`. Answers whether it did.
+    async fn unregister_broker(&self, incarnation: &str) -> StoreResult<bool>;
+}
+
 /// The operations the broker performs on in-flight activations.
 ///
 /// Implementations must be safe to call concurrently from many tasks and from
 /// several broker replicas sharing one database.
 #[async_trait]
-pub trait ActivationStore: Send + Sync + 'static {
+pub trait ActivationStore: Membership {
     /// Which backend this is, for logs ("postgres", "sqlite").
     fn backend(&self) -> &'static str;
 
@@ -393,6 +461,11 @@ pub trait ActivationStore: Send + Sync + 'static {
     /// In-flight rows (Pending, Delay, Claimed, Processing) per Kafka topic
     /// they were consumed from: each topic's consumer pauses on its own count.
     async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>>;
+
+    /// Whether the table holds any row at all: an idle broker's upkeep asks
+    /// this one cheap question instead of running every step on an empty
+    /// table.
+    async fn has_rows(&self) -> StoreResult<bool>;
 
     /// Age in seconds of the oldest first-attempt Pending or Claimed row,
     /// measured from when it became runnable (`received_at`, or `delay_until`

@@ -67,7 +67,7 @@ pub use self::dead_letter::{
     DEAD_LETTER_HEADER_ROOM, ERROR_HEADER, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
     dead_letter_cut,
 };
-use self::rebalance::{Ownership, RebalanceContext, Rebalanced};
+use self::rebalance::{Ownership, PartitionLag, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
 use super::store::StoreHandle;
 use crate::config::RawMode;
@@ -167,6 +167,9 @@ impl ConsumerActor {
         wake: Vec<Recipient<WakeFetch>>,
         metrics: Arc<Metrics>,
     ) -> Self {
+        // Here rather than on start: the topic's series exist from the
+        // moment the broker is built, for the first scrape too.
+        metrics.initialise_topic(&config.label());
         ConsumerActor {
             config,
             store,
@@ -182,7 +185,6 @@ impl Actor for ConsumerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        self.metrics.initialise_topic(&self.config.label());
         let consume = ConsumeLoop::start(
             self.config.clone(),
             self.store.clone(),
@@ -296,6 +298,8 @@ impl Drop for ConsumeLoop {
         // Runs before the consumer field is dropped (and closed): the
         // revocation that closing triggers must not commit from inside it.
         self.ownership.closing();
+        // A stopped consumer holds no partition: its lag series go.
+        self.consumer.context().lag.clear();
     }
 }
 
@@ -316,6 +320,7 @@ impl ConsumeLoop {
                 events,
                 ownership: Arc::clone(&ownership),
                 log: ThrottledLog::default(),
+                lag: PartitionLag::new(Arc::clone(&metrics), &config.auto_offset_reset),
             })
             .map_err(|err| format!("Kafka consumer: {err}"))?;
         consumer

@@ -10,10 +10,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use rdkafka::Offset;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::{ClientContext, TopicPartitionList};
+use rdkafka::{ClientContext, Statistics, TopicPartitionList};
 use tokio::sync::mpsc;
 
 use crate::kafka::ThrottledLog;
+use crate::metrics::Metrics;
 
 /// Rebalance events, forwarded from librdkafka's callback to the loop (for
 /// logs and metrics; what must not wait is done in the callback itself).
@@ -153,11 +154,101 @@ pub(super) struct RebalanceContext {
     pub(super) events: mpsc::UnboundedSender<Rebalanced>,
     pub(super) ownership: Arc<Ownership>,
     pub(super) log: ThrottledLog,
+    pub(super) lag: PartitionLag,
 }
 
 impl ClientContext for RebalanceContext {
     fn error(&self, error: KafkaError, reason: &str) {
         self.log.error(error, reason);
+    }
+
+    fn stats(&self, statistics: Statistics) {
+        self.lag.update(&statistics);
+    }
+}
+
+/// `taskbroker_consumer_lag{topic, partition}` from librdkafka's statistics:
+/// a series for each partition the consumer holds, removed when it no
+/// longer does.
+pub(super) struct PartitionLag {
+    metrics: Arc<Metrics>,
+    /// Where a partition the group never committed on starts
+    /// (`auto.offset.reset`): at its first record, or at its end.
+    from_start: Option<bool>,
+    shown: Mutex<HashSet<(String, i32)>>,
+}
+
+impl PartitionLag {
+    pub(super) fn new(metrics: Arc<Metrics>, auto_offset_reset: &str) -> Self {
+        let from_start = match auto_offset_reset {
+            "smallest" | "earliest" | "beginning" => Some(true),
+            "largest" | "latest" | "end" => Some(false),
+            _ => None,
+        };
+        PartitionLag {
+            metrics,
+            from_start,
+            shown: Mutex::default(),
+        }
+    }
+
+    fn update(&self, statistics: &Statistics) {
+        let mut now = HashSet::new();
+        for (topic, stats) in &statistics.topics {
+            for (partition, stats) in &stats.partitions {
+                // -1 is librdkafka's internal "unassigned" partition;
+                // `desired` marks the partitions this consumer was assigned.
+                if *partition < 0 || !stats.desired {
+                    continue;
+                }
+                let Some(lag) = partition_lag(stats, self.from_start) else {
+                    continue;
+                };
+                self.metrics
+                    .consumer_lag
+                    .with_label_values(&[topic.as_str(), &partition.to_string()])
+                    .set(lag);
+                now.insert((topic.clone(), *partition));
+            }
+        }
+        let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
+        for (topic, partition) in shown.difference(&now) {
+            let _ = self
+                .metrics
+                .consumer_lag
+                .remove_label_values(&[topic.as_str(), &partition.to_string()]);
+        }
+        *shown = now;
+    }
+
+    /// Removes every series (the consumer stopped).
+    pub(super) fn clear(&self) {
+        let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
+        for (topic, partition) in shown.drain() {
+            let _ = self
+                .metrics
+                .consumer_lag
+                .remove_label_values(&[topic.as_str(), &partition.to_string()]);
+        }
+    }
+}
+
+/// Records past the committed offset; else past the offset the consumer
+/// stored (read and written, commit under way); for a partition the group
+/// never committed on, every record from where `auto.offset.reset` starts
+/// it. `None` while librdkafka does not know the partition's offsets yet.
+fn partition_lag(stats: &rdkafka::statistics::Partition, from_start: Option<bool>) -> Option<i64> {
+    if let Some(lag) = [stats.consumer_lag, stats.consumer_lag_stored]
+        .into_iter()
+        .find(|lag| *lag >= 0)
+    {
+        return Some(lag);
+    }
+    let (first, end) = (stats.lo_offset, stats.hi_offset);
+    match from_start? {
+        true if first >= 0 && end >= first => Some(end - first),
+        false if end >= 0 => Some(0),
+        _ => None,
     }
 }
 

@@ -108,7 +108,7 @@ impl ConsumeLoop {
                     return Ok(Inserted::Rejected(err));
                 }
                 Err(err) => {
-                    tracing::warn!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
+                    crate::warn_throttled!(error = %err, rows = rows.len(), retry_in = ?pause, "cannot store consumed batch; retrying");
                 }
             }
             self.held = true;
@@ -166,7 +166,7 @@ impl ConsumeLoop {
             pending = failed;
             if let Some(err) = last_error {
                 let pause = backoff.next();
-                tracing::warn!(
+                crate::warn_throttled!(
                     error = %err,
                     records = pending.len(),
                     topic = %self.config.ingest_dlq_topic,
@@ -222,7 +222,7 @@ impl ConsumeLoop {
             };
             if let Some(err) = failure {
                 let pause = backoff.next();
-                tracing::warn!(
+                crate::warn_throttled!(
                     error = %err,
                     records = pending.len(),
                     retry_in = ?pause,

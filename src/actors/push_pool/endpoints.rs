@@ -224,6 +224,40 @@ pub(super) struct Target {
     addresses: Mutex<Option<Vec<IpAddr>>>,
     failures: Arc<Mutex<FailureLog>>,
     last_resolve_warning: Mutex<Option<Instant>>,
+    gauges: EndpointGauges,
+}
+
+/// A worker URL's series of the health gauges, shared by its connections
+/// (each a handle to one value): `taskbroker_worker_connections{endpoint,
+/// state}` and `taskbroker_worker_pushes_in_flight{endpoint}`.
+#[derive(Clone)]
+struct EndpointGauges {
+    ready: prometheus::IntGauge,
+    backing_off: prometheus::IntGauge,
+    in_flight: prometheus::IntGauge,
+}
+
+impl EndpointGauges {
+    fn new(metrics: &Metrics, label: &str) -> Self {
+        EndpointGauges {
+            ready: metrics
+                .worker_connections
+                .with_label_values(&[label, "ready"]),
+            backing_off: metrics
+                .worker_connections
+                .with_label_values(&[label, "backing_off"]),
+            in_flight: metrics.worker_pushes_in_flight.with_label_values(&[label]),
+        }
+    }
+
+    /// The connection's state gauge: backing off, or ready.
+    fn state(&self, backing_off: bool) -> &prometheus::IntGauge {
+        if backing_off {
+            &self.backing_off
+        } else {
+            &self.ready
+        }
+    }
 }
 
 impl Target {
@@ -245,9 +279,11 @@ impl Target {
         let bare = uri.host().unwrap_or_default();
         let bare = bare.trim_start_matches('[').trim_end_matches(']');
         let host = bare.parse::<IpAddr>().is_err().then(|| bare.to_owned());
+        let label = crate::config::redact_url(url).into_owned();
+        let gauges = EndpointGauges::new(&metrics, &label);
         let target = Target {
             url: url.to_owned(),
-            label: crate::config::redact_url(url).into_owned(),
+            label,
             host,
             port,
             wanted,
@@ -258,6 +294,7 @@ impl Target {
             addresses: Mutex::new(None),
             failures: Arc::default(),
             last_resolve_warning: Mutex::new(None),
+            gauges,
         };
         // Until the first resolution: connections that resolve the name
         // themselves (for an address in the URL, these are final).
@@ -282,7 +319,7 @@ impl Target {
     }
 
     fn connect(&self, address: Option<SocketAddr>) -> Result<Arc<WorkerEndpoint>, String> {
-        Ok(Arc::new(WorkerEndpoint {
+        let endpoint = Arc::new(WorkerEndpoint {
             url: self.label.clone(),
             address,
             client: WorkerClient::connect_lazy(
@@ -294,7 +331,10 @@ impl Target {
             health: Mutex::new(Health::default()),
             in_flight: AtomicUsize::new(0),
             failures: Arc::clone(&self.failures),
-        }))
+            gauges: self.gauges.clone(),
+        });
+        endpoint.gauges.ready.inc();
+        Ok(endpoint)
     }
 
     fn gauge(&self, addresses: usize) {
@@ -406,6 +446,16 @@ pub(super) struct WorkerEndpoint {
     in_flight: AtomicUsize,
     /// Shared by the URL's connections: one log line per URL and interval.
     failures: Arc<Mutex<FailureLog>>,
+    gauges: EndpointGauges,
+}
+
+/// A connection dropped (its address went away, or the pool stopped) no
+/// longer counts in its URL's gauges.
+impl Drop for WorkerEndpoint {
+    fn drop(&mut self) {
+        let backing_off = self.health().retry_at.is_some();
+        self.gauges.state(backing_off).dec();
+    }
 }
 
 /// Marks a push outstanding on a connection until dropped.
@@ -414,6 +464,7 @@ pub(super) struct InFlight<'a>(&'a WorkerEndpoint);
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.gauges.in_flight.dec();
     }
 }
 
@@ -463,6 +514,7 @@ impl WorkerEndpoint {
     /// Counts a push outstanding on this connection for the guard's life.
     pub(super) fn begin(&self) -> InFlight<'_> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.gauges.in_flight.inc();
         InFlight(self)
     }
 
@@ -497,7 +549,13 @@ impl WorkerEndpoint {
         let recovered = {
             let mut health = self.health();
             let recovered = healthy && health.consecutive_failures > 0;
+            let was_backing_off = health.retry_at.is_some();
             health.record_at(healthy, now);
+            let backing_off = health.retry_at.is_some();
+            if backing_off != was_backing_off {
+                self.gauges.state(was_backing_off).dec();
+                self.gauges.state(backing_off).inc();
+            }
             recovered
         };
         if healthy {

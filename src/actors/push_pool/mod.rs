@@ -20,6 +20,10 @@
 //! flight; the derived claim lease (`Config::claim_lease`) covers that, and
 //! a push whose claim has less than one push timeout (plus
 //! [`MARK_PROCESSING_MARGIN`]) left is not started but undone to Pending.
+//! So is a push whose claim the broker's liveness no longer allows
+//! (`actors/liveness.rs`), checked last before the request is sent: a
+//! broker frozen past the takeover timeout never pushes what a peer has
+//! taken over.
 //!
 //! Outcomes:
 //! - OK → fenced Claimed → Processing (combined into batched statements).
@@ -318,7 +322,7 @@ impl PushShared {
             .claim_expires_at
             .map(|expires| (expires - chrono::Utc::now()).to_std().unwrap_or_default());
         if left.is_none_or(|left| left < needed) {
-            return self.release_unpushed(claim).await;
+            return self.release_unpushed(claim, "lease_expired").await;
         }
         self.router.ready().await;
         let Some(endpoint) = self.router.pick(&activation.application) else {
@@ -339,6 +343,12 @@ impl PushShared {
         let admit_by = started + self.config.push_timeout / 2;
         let outcome = match endpoint.admit(admit_by).await {
             Err(()) => PushOutcome::NotSent(NotSent::AdmissionTimeout),
+            // Checked last before sending: a broker whose heartbeat is
+            // overdue may have been taken over, and its claims pushed by a
+            // peer (`liveness.rs`).
+            Ok(()) if !claim.may_push() => {
+                return self.release_unpushed(claim, "not_live").await;
+            }
             Ok(()) => {
                 let request = PushTaskBytes::new(activation.activation, &self.config.callback_url);
                 let size = request.len();
@@ -376,10 +386,15 @@ impl PushShared {
         // shutdown then releases only claims that were never pushed.
         let _slot = slot;
 
-        self.metrics
-            .pushes
-            .with_label_values(&[outcome.label()])
-            .inc();
+        // An accepted push is counted once its write says whether the row
+        // was still this claim's (`ok`) or had moved on (`stale`), so the
+        // results partition the pushes.
+        if outcome != PushOutcome::Ok {
+            self.metrics
+                .pushes
+                .with_label_values(&[outcome.label()])
+                .inc();
+        }
         match outcome {
             PushOutcome::Ok => {
                 let age = chrono::Utc::now() - received_at;
@@ -410,16 +425,18 @@ impl PushShared {
                 pushed_at: pushed_at.into_std(),
             })
             .await;
-        match moved {
-            Ok(true) => {}
+        let result = match moved {
+            Ok(true) => "ok",
             // The row moved on before the write: claimed again after its
             // lease ran out (a duplicate delivery), or already finished by
             // the worker's report. Counted, nothing changed.
-            Ok(false) => self.metrics.pushes.with_label_values(&["stale"]).inc(),
+            Ok(false) => "stale",
             Err(err) => {
-                tracing::warn!(error = %err, "cannot record a successful push; the lease will return it");
+                crate::warn_throttled!(error = %err, "cannot record a successful push; the lease will return it");
+                "ok"
             }
-        }
+        };
+        self.metrics.pushes.with_label_values(&[result]).inc();
         claim.settle();
     }
 
@@ -442,7 +459,7 @@ impl PushShared {
             // Includes the store actor being gone: the guard's own release
             // would be lost too; the lease returns the row.
             Err(err) => {
-                tracing::warn!(error = %err, "cannot undo a failed push; the lease will return it");
+                crate::warn_throttled!(error = %err, "cannot undo a failed push; the lease will return it");
             }
         }
         claim.settle();
@@ -457,18 +474,17 @@ impl PushShared {
             })
             .await;
         if let Err(err) = sent {
-            tracing::warn!(error = %err, why, "cannot fail a claim; the lease will return it");
+            crate::warn_throttled!(error = %err, why, "cannot fail a claim; the lease will return it");
         }
         claim.settle();
     }
 
-    /// The claim's lease is too short for a push: fenced return to Pending,
-    /// no attempt consumed (the same statement as a failed push's undo).
-    async fn release_unpushed(&self, claim: ClaimGuard) {
-        self.metrics
-            .pushes
-            .with_label_values(&["lease_expired"])
-            .inc();
+    /// Not pushed: the claim's lease is too short for a push
+    /// (`lease_expired`), or this broker may have been taken over
+    /// (`not_live`). Fenced return to Pending, no attempt consumed (the
+    /// same statement as a failed push's undo); counted by `result`.
+    async fn release_unpushed(&self, claim: ClaimGuard, result: &'static str) {
+        self.metrics.pushes.with_label_values(&[result]).inc();
         let released = self
             .store
             .call(UndoClaim {
@@ -476,7 +492,7 @@ impl PushShared {
             })
             .await;
         if let Err(err) = &released {
-            tracing::warn!(error = %err, "cannot release a claim too old to push; its lease will");
+            crate::warn_throttled!(error = %err, "cannot release a claim too old to push; its lease will");
         }
         claim.settle();
     }
@@ -497,7 +513,7 @@ impl PushShared {
             })
             .await;
         if let Err(err) = &deferred {
-            tracing::warn!(error = %err, "cannot defer an unroutable claim; its lease will return it");
+            crate::warn_throttled!(error = %err, "cannot defer an unroutable claim; its lease will return it");
         }
         claim.settle();
     }
@@ -552,7 +568,7 @@ impl PushShared {
             })
             .await;
         if let Err(err) = &sent {
-            tracing::warn!(error = %err, "cannot record an undeliverable claim; the lease will return it");
+            crate::warn_throttled!(error = %err, "cannot record an undeliverable claim; the lease will return it");
         }
         claim.settle();
     }

@@ -44,22 +44,24 @@ impl PushOutcome {
             return PushOutcome::NotSent(NotSent::Busy);
         }
         if failed_to_connect(status) {
-            return PushOutcome::NotSent(NotSent::Unreachable(status.message().to_owned()));
+            return PushOutcome::NotSent(NotSent::Unreachable(error_chain(status)));
         }
         match status.code() {
             Code::DeadlineExceeded | Code::Cancelled => PushOutcome::Unknown(Unknown::Timeout),
-            _ => PushOutcome::Unknown(Unknown::Error(status.message().to_owned())),
+            _ => PushOutcome::Unknown(Unknown::Error(error_chain(status))),
         }
     }
 
+    /// The `result` label of `taskbroker_pushes_total`: one per way a push
+    /// ends, so a refused connection is never counted as a timeout.
     pub(super) fn label(&self) -> &'static str {
         match self {
             PushOutcome::Ok => "ok",
             PushOutcome::NotSent(NotSent::Busy) => "busy",
-            PushOutcome::NotSent(NotSent::AdmissionTimeout)
-            | PushOutcome::Unknown(Unknown::Timeout) => "timeout",
-            PushOutcome::NotSent(NotSent::Unreachable(_))
-            | PushOutcome::Unknown(Unknown::Error(_)) => "error",
+            PushOutcome::NotSent(NotSent::AdmissionTimeout) => "backoff",
+            PushOutcome::NotSent(NotSent::Unreachable(_)) => "unreachable",
+            PushOutcome::Unknown(Unknown::Timeout) => "timeout",
+            PushOutcome::Unknown(Unknown::Error(_)) => "error",
             PushOutcome::TooLarge(_) => "too_large",
         }
     }
@@ -93,6 +95,25 @@ fn is_too_large(status: &tonic::Status) -> bool {
     ["too large", "larger than max", "more than 4gb"]
         .iter()
         .any(|phrase| message.contains(phrase))
+}
+
+/// The status's message and every cause under it ("tcp connect error:
+/// Connection refused (os error 111)"), each said once: tonic's message
+/// alone names the stage that failed, not why.
+fn error_chain(status: &tonic::Status) -> String {
+    let mut text = status.message().to_owned();
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        let cause = err.to_string();
+        if !cause.is_empty() && !text.contains(&cause) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&cause);
+        }
+        source = err.source();
+    }
+    text
 }
 
 /// Whether the RPC failed while connecting, before any request was written:

@@ -30,8 +30,9 @@ use actix::prelude::*;
 
 use crate::metrics::Metrics;
 use crate::model::{
-    BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch, InflightActivation,
-    Killswitch, NamespaceCount, PublishKind, PullFilter, StatusCounts, StatusUpdate, TaskRules,
+    BeatAnswer, BrokerRow, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
+    InflightActivation, Killswitch, NamespaceCount, PublishKind, PullFilter, Registration,
+    StatusCounts, StatusUpdate, Takeover, TaskRules,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
@@ -296,6 +297,10 @@ store_messages! {
     Ping {} -> (),
         "ping", |store, _msg| store.ping();
 
+    /// Whether the table holds any row (upkeep skips an empty store).
+    HasRows {} -> bool,
+        "has_rows", |store, _msg| store.has_rows();
+
     /// Age of the oldest first-attempt Pending or Claimed row.
     MaxPendingLag {} -> f64,
         "max_pending_lag", |store, _msg| store.max_pending_lag();
@@ -308,4 +313,28 @@ store_messages! {
     /// No worker serves the application: fenced Claimed → Delay until `until`.
     DeferClaims { claims: Vec<ClaimToken>, until: chrono::DateTime<chrono::Utc> } -> u64,
         "defer_claims", |store, msg| store.defer_claims(&msg.claims, msg.until);
+    /// Startup: this broker's row, replacing its previous incarnation's.
+    RegisterBroker { host: String, incarnation: String, live_within: Duration } -> Registration,
+        "register_broker", |store, msg| store.register_broker(&msg.host, &msg.incarnation, msg.live_within);
+
+    /// Startup: the claims earlier incarnations of this broker left.
+    ReleasePreviousClaims {} -> u64,
+        "release_previous_claims", |store, _msg| store.release_previous_claims();
+
+    /// This broker id's row, if any (a live process with the same id?).
+    ReadBroker {} -> Option<BrokerRow>,
+        "read_broker", |store, _msg| store.read_broker();
+
+    /// Refresh this broker's heartbeat, or learn it was taken over or
+    /// replaced.
+    Heartbeat { incarnation: String, silent_after: Duration } -> BeatAnswer,
+        "heartbeat", |store, msg| store.heartbeat(&msg.incarnation, msg.silent_after);
+
+    /// Take over brokers silent for longer than `timeout`.
+    TakeOverSilent { timeout: Duration } -> Vec<Takeover>,
+        "take_over_silent", |store, msg| store.take_over_silent(msg.timeout);
+
+    /// Clean shutdown: remove this broker's row.
+    UnregisterBroker { incarnation: String } -> bool,
+        "unregister_broker", |store, msg| store.unregister_broker(&msg.incarnation);
 }

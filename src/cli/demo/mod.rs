@@ -21,7 +21,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use taskbroker::config::DeliveryMode;
-use tracing_subscriber::EnvFilter;
 
 use run::DemoOptions;
 use worker::{DemoWorker, Mode};
@@ -59,12 +58,22 @@ pub struct DemoArgs {
     rules: bool,
 }
 
+/// The logger of `demo` and `demo-worker`: `TASKBROKER_LOG` (else
+/// `default_filter`) and `TASKBROKER_LOG_FORMAT`, checked as `run` checks
+/// them.
+fn init_logging(default_filter: &str) -> Result<(), ExitCode> {
+    taskbroker::config::log_settings(|name| std::env::var(name).ok(), default_filter)
+        .and_then(|(filter, format)| taskbroker::logging::init(&filter, format))
+        .map_err(|message| {
+            eprintln!("taskbroker: {message}");
+            ExitCode::from(2)
+        })
+}
+
 pub fn demo(args: DemoArgs) -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
-        )
-        .try_init();
+    if let Err(exit) = init_logging("warn") {
+        return exit;
+    }
     let mode = if args.mode == "pull" {
         DeliveryMode::Pull
     } else {
@@ -94,11 +103,9 @@ pub fn demo(args: DemoArgs) -> ExitCode {
 }
 
 pub fn demo_worker(listen: std::net::SocketAddr, delay_ms: u64) -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("TASKBROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .try_init();
+    if let Err(exit) = init_logging("info") {
+        return exit;
+    }
     let secrets: Vec<String> = std::env::var("TASKBROKER_GRPC_SHARED_SECRETS")
         .unwrap_or_default()
         .split(',')

@@ -670,7 +670,10 @@ fn summarize(
     println!(
         "| pushes ok / failed | {} / {} |",
         Metrics::count(&metrics.pushes, "ok"),
-        Metrics::count(&metrics.pushes, "error")
+        ["error", "unreachable", "timeout"]
+            .iter()
+            .map(|result| Metrics::count(&metrics.pushes, result))
+            .sum::<u64>()
     );
     println!("| repeated deliveries (at-least-once) | {duplicates} |");
 

@@ -71,7 +71,19 @@ pub struct Seen {
     /// Each push as it arrived: the task's namespace and milliseconds from
     /// its `received_at` to the arrival (the load harness's latency).
     pub arrivals: Mutex<Vec<(String, f64)>>,
+    /// Each push as it arrived: which task, from which broker (its
+    /// `callback_url`), when. What recovery tests and benchmarks count
+    /// duplicates by.
+    pub deliveries: Mutex<Vec<Delivery>>,
     first_deliveries: Mutex<HashSet<String>>,
+}
+
+/// One PushTask that reached the worker.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub id: String,
+    pub callback_url: String,
+    pub at: std::time::Instant,
 }
 
 impl Seen {
@@ -81,6 +93,13 @@ impl Seen {
 
     pub fn accepted(&self) -> Vec<String> {
         self.accepted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn deliveries(&self) -> Vec<Delivery> {
+        self.deliveries
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
@@ -212,6 +231,15 @@ impl WorkerService for Handler {
         }
         let id = task.id.clone();
         let callback_url = request.callback_url.clone();
+        self.seen
+            .deliveries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Delivery {
+                id: id.clone(),
+                callback_url: callback_url.clone(),
+                at: std::time::Instant::now(),
+            });
         self.seen
             .callback_urls
             .lock()

@@ -7,6 +7,7 @@
 //! mapping in `rows.rs`, pool building and error classification in
 //! `pool.rs`.
 
+mod brokers;
 mod notify;
 mod pool;
 mod rows;
@@ -52,15 +53,20 @@ pub struct PostgresStoreConfig {
     /// Bound on connecting and on waiting for a pooled connection, so callers
     /// get `Unavailable` instead of hanging while the database is away.
     pub connect_timeout: Duration,
+    /// The broker this store claims for (`claimed_by`, its row in
+    /// `taskbroker_brokers`): `TASKBROKER_BROKER_ID`.
+    pub broker_id: String,
 }
 
 impl PostgresStoreConfig {
+    /// Defaults, with a fresh broker id (see [`fresh_broker_id`]).
     pub fn new(url: impl Into<String>) -> Self {
         PostgresStoreConfig {
             url: url.into(),
             pool_size: 16,
             async_commit: false,
             connect_timeout: Duration::from_secs(5),
+            broker_id: super::fresh_broker_id(),
         }
     }
 }
@@ -76,6 +82,32 @@ pub struct PostgresStore {
     /// Names this store's inserts in their new-row announcements, so its
     /// own listener skips them (see `notify.rs`).
     announcer: String,
+    /// Written into every claim (`claimed_by`).
+    broker_id: String,
+}
+
+/// Where `config` connects, as `host:port` (several joined by commas),
+/// for errors: never the user or password.
+fn target_of(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    if config.get_hosts().is_empty() {
+        return format!("localhost:{}", ports.first().copied().unwrap_or(5432));
+    }
+    config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(index, host)| {
+            let port = ports.get(index).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                tokio_postgres::config::Host::Unix(path) => {
+                    format!("{}/.s.PGSQL.{port}", path.display())
+                }
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 impl PostgresStore {
@@ -94,6 +126,7 @@ impl PostgresStore {
             pool,
             replayable,
             announcer: uuid::Uuid::new_v4().to_string(),
+            broker_id: config.broker_id.clone(),
         })
     }
 
@@ -156,13 +189,14 @@ impl ActivationStore for PostgresStore {
         let migration_error = |err: tokio_postgres::Error| StoreError::Migration(describe(&err));
         let (mut pg_config, connector) = connect_config(&self.url)?;
         pg_config.connect_timeout(self.connect_timeout);
-        let (mut client, connection) = pg_config.connect(connector).await.map_err(|err| {
-            StoreError::Migration(format!(
-                "connecting to {}: {}",
-                crate::config::redact_url(&self.url),
-                describe(&err)
-            ))
-        })?;
+        let (mut client, connection) =
+            pg_config
+                .connect(connector)
+                .await
+                .map_err(|err| StoreError::Connect {
+                    target: target_of(&pg_config),
+                    message: describe(&err),
+                })?;
         let driver = tokio::spawn(connection);
         // A session lock, held by this connection only: if this process dies
         // mid-migration the lock goes with its connection.
@@ -324,6 +358,7 @@ impl ActivationStore for PostgresStore {
                     &namespaces,
                     &weighted,
                     &weights,
+                    &self.broker_id,
                 ],
             )
             .await?
@@ -332,7 +367,7 @@ impl ActivationStore for PostgresStore {
                 &self.replayable,
                 OP,
                 CLAIM_FOR_PUSH,
-                &[&first, &last, &limit_rows, &lease],
+                &[&first, &last, &limit_rows, &lease, &self.broker_id],
             )
             .await?
         } else {
@@ -346,6 +381,7 @@ impl ActivationStore for PostgresStore {
                     &last,
                     &limit_rows,
                     &lease,
+                    &self.broker_id,
                     &applications,
                     &namespaces,
                 ],
@@ -386,7 +422,12 @@ impl ActivationStore for PostgresStore {
         let rows = transaction
             .query(
                 CLAIM_LIMITED,
-                &[&namespace, &room.min(limit(limit_rows)), &micros(lease)],
+                &[
+                    &namespace,
+                    &room.min(limit(limit_rows)),
+                    &micros(lease),
+                    &self.broker_id,
+                ],
             )
             .await
             .map_err(failed)?;
@@ -765,6 +806,16 @@ impl ActivationStore for PostgresStore {
                 Ok((topic, u64::try_from(count).unwrap_or(0)))
             })
             .collect()
+    }
+
+    async fn has_rows(&self) -> StoreResult<bool> {
+        const OP: &str = "has_rows";
+        let rows = self.query(&self.pool, OP, HAS_ROWS, &[]).await?;
+        let row = rows.first().ok_or(StoreError::Query {
+            operation: OP,
+            message: "EXISTS returned no row".to_owned(),
+        })?;
+        row.try_get(0).map_err(|e| query_error(OP, e))
     }
 
     async fn max_pending_lag(&self) -> StoreResult<f64> {

@@ -43,7 +43,7 @@ pub(super) fn listen(
             match outcome {
                 Ok(()) => return,
                 Err(err) => {
-                    tracing::warn!(error = %err, retry_in = ?retry,
+                    crate::warn_throttled!(error = %err, retry_in = ?retry,
                         "listening for new rows failed; fetchers poll meanwhile");
                 }
             }

@@ -70,6 +70,8 @@ macro_rules! not_paused {
     };
 }
 
+// `$5` (`$9` in the fair claim, `$4` in the limited one) is the claiming
+// broker's id, recorded in `claimed_by`.
 macro_rules! claim_for_push {
     ($filter:expr) => {
         concat!(
@@ -78,7 +80,7 @@ macro_rules! claim_for_push {
                  AND (expires_at IS NULL OR expires_at > now())",
             $filter,
             " ORDER BY added_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
-             UPDATE inflight_taskactivations t SET status = 'Claimed', \
+             UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $5, \
                claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
                                            t.claim_expires_at + interval '1 microsecond') \
              FROM picked WHERE t.id = picked.id RETURNING ",
@@ -87,7 +89,7 @@ macro_rules! claim_for_push {
     };
 }
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
-pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$5", "$6"));
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$6", "$7"));
 
 // Fair dispatch ($5, $6: paused rules as above; $7, $8: namespaces and
 // their weights, others weigh 1). `flows` walks the distinct (application,
@@ -139,7 +141,7 @@ pub(super) const CLAIM_FOR_PUSH_FAIR: &str = concat!(
     not_paused!("$5", "$6"),
     " AND id NOT IN (SELECT id FROM fair) \
         ORDER BY added_at LIMIT $3 - (SELECT count(*) FROM fair) FOR UPDATE SKIP LOCKED) \
-     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $9, \
        claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
                                    t.claim_expires_at + interval '1 microsecond') \
      FROM (SELECT id FROM fair UNION ALL SELECT id FROM fill) AS picked \
@@ -159,7 +161,7 @@ pub(super) const CLAIM_LIMITED: &str = concat!(
        WHERE status = 'Pending' AND namespace = $1 \
          AND (expires_at IS NULL OR expires_at > now()) \
        ORDER BY added_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE inflight_taskactivations t SET status = 'Claimed', \
+     UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $4, \
        claim_expires_at = GREATEST(now() + $3::int8 * interval '1 microsecond', \
                                    t.claim_expires_at + interval '1 microsecond') \
      FROM picked WHERE t.id = picked.id RETURNING ",
@@ -427,6 +429,8 @@ pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM in
 // stored first-attempt Pending rows (by `added_at`) and the 64 oldest
 // first-attempt claims. The first stored is, but for a delay, the first
 // received, so the oldest runnable row is among them.
+pub(super) const HAS_ROWS: &str = "SELECT EXISTS (SELECT 1 FROM inflight_taskactivations)";
+
 pub(super) const MAX_PENDING_LAG: &str = "SELECT COALESCE(GREATEST(EXTRACT(EPOCH FROM \
        now() - min(runnable)), 0), 0)::float8 FROM ( \
        (SELECT GREATEST(received_at, COALESCE(delay_until, received_at)) AS runnable \

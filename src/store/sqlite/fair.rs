@@ -22,7 +22,7 @@ pub(super) fn claim_fair(
     connection: &Connection,
     buckets: BucketRange,
     limit_rows: usize,
-    expiry: i64,
+    (expiry, claimer): (i64, &str),
     now: i64,
     weights: &[(String, u32)],
     paused: &[PauseRule],
@@ -77,7 +77,7 @@ pub(super) fn claim_fair(
         return Ok(Vec::new());
     }
     let ids = json_strings(chosen.iter().map(String::as_str));
-    query_rows(connection, OP, CLAIM_IDS, params![ids, expiry])
+    query_rows(connection, OP, CLAIM_IDS, params![ids, expiry, claimer])
 }
 
 /// The flow (application, namespace) with Pending rows after `previous`

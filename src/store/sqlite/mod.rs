@@ -36,6 +36,7 @@
 //! `rows.rs`, running a statement and classifying errors in `exec.rs`, and
 //! the one-process lock in `lock.rs`.
 
+mod brokers;
 mod exec;
 mod fair;
 mod lock;
@@ -84,6 +85,9 @@ pub struct SqliteStoreConfig {
     /// How long a statement waits for a lock held by another process
     /// (e.g. a `sqlite3` shell) before the operation fails as `Unavailable`.
     pub busy_timeout: Duration,
+    /// The broker this store claims for (`claimed_by`, its row in
+    /// `taskbroker_brokers`): `TASKBROKER_BROKER_ID`.
+    pub broker_id: String,
 }
 
 impl SqliteStoreConfig {
@@ -93,6 +97,7 @@ impl SqliteStoreConfig {
             readers: 4,
             async_commit: false,
             busy_timeout: Duration::from_secs(5),
+            broker_id: super::fresh_broker_id(),
         }
     }
 }
@@ -105,6 +110,8 @@ pub struct SqliteStore {
     /// second broker process on the same file refuses to start instead of
     /// competing for the writer lock. The kernel drops it if we die.
     _process_lock: std::fs::File,
+    /// Written into every claim (`claimed_by`).
+    broker_id: String,
 }
 
 impl SqliteStore {
@@ -138,6 +145,7 @@ impl SqliteStore {
                 idle: Mutex::new(Vec::new()),
             }),
             _process_lock: process_lock,
+            broker_id: config.broker_id.clone(),
         })
     }
 
@@ -449,13 +457,20 @@ impl ActivationStore for SqliteStore {
             Dispatch::Fair(weights) => Some((weights.to_vec(), paused.to_vec())),
         };
         let paused = (!paused.is_empty()).then(|| json_pause_rules(paused));
+        let claimer = self.broker_id.clone();
         self.write(OP, false, move |connection| {
             let now = now_micros();
             let expiry = now.saturating_add(lease);
             let mut claimed = Vec::new();
             if let Some((weights, paused)) = &fair {
                 claimed = claim_fair(
-                    connection, buckets, limit_rows, expiry, now, weights, paused,
+                    connection,
+                    buckets,
+                    limit_rows,
+                    (expiry, &claimer),
+                    now,
+                    weights,
+                    paused,
                 )?;
             }
             let room = limit_rows.saturating_sub(claimed.len());
@@ -469,13 +484,13 @@ impl ActivationStore for SqliteStore {
                     connection,
                     OP,
                     CLAIM_FOR_PUSH,
-                    params![first, last, limit_rows, expiry, now],
+                    params![first, last, limit_rows, expiry, now, claimer],
                 )?,
                 Some(paused) => query_rows(
                     connection,
                     OP,
                     CLAIM_FOR_PUSH_UNPAUSED,
-                    params![first, last, limit_rows, expiry, now, paused],
+                    params![first, last, limit_rows, expiry, now, claimer, paused],
                 )?,
             });
             claimed_rows(claimed)
@@ -496,6 +511,7 @@ impl ActivationStore for SqliteStore {
         }
         let namespace = namespace.to_owned();
         let lease = duration_micros(lease);
+        let claimer = self.broker_id.clone();
         self.write(OP, false, move |connection| {
             let in_flight: i64 = connection
                 .prepare_cached(COUNT_NAMESPACE_IN_FLIGHT)
@@ -514,7 +530,8 @@ impl ActivationStore for SqliteStore {
                     namespace,
                     room.min(limit(limit_rows)),
                     now.saturating_add(lease),
-                    now
+                    now,
+                    claimer
                 ],
             )?;
             claimed_rows(claimed)
@@ -875,6 +892,17 @@ impl ActivationStore for SqliteStore {
                 counts.push((topic, u64::try_from(count).unwrap_or(0)));
             }
             Ok(counts)
+        })
+        .await
+    }
+
+    async fn has_rows(&self) -> StoreResult<bool> {
+        const OP: &str = "has_rows";
+        self.read(OP, |connection| {
+            connection
+                .prepare_cached(HAS_ROWS)
+                .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+                .map_err(|e| sql_error(OP, e))
         })
         .await
     }

@@ -41,12 +41,13 @@ macro_rules! not_paused {
 }
 
 // `?1`, `?2` buckets, `?3` limit, `?4` the new claim expiry, `?5` now,
-// `?6` paused rules (the _UNPAUSED variant).
+// `?6` the claiming broker (`claimed_by`), `?7` paused rules (the
+// _UNPAUSED variant).
 macro_rules! claim_for_push {
     ($filter:expr) => {
         concat!(
             "UPDATE inflight_taskactivations \
-               SET status = 'Claimed', claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
+               SET status = 'Claimed', claimed_by = ?6, claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
              WHERE id IN (SELECT id FROM inflight_taskactivations \
                WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
                  AND (expires_at IS NULL OR expires_at > ?5)",
@@ -58,13 +59,14 @@ macro_rules! claim_for_push {
     };
 }
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
-pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?6"));
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?7"));
 
 // Fair dispatch, step by step in one write: the flows (application,
 // namespace) with Pending rows, one index probe each (`?1`, `?2` the flow
 // before); a flow's oldest rows in the bucket range (`?3`, `?4`; `?5` now,
 // `?6` its share); then the interleaved ids (`?1`, a JSON array) claimed
-// (`?2` the new claim expiry) while still Pending.
+// (`?2` the new claim expiry, `?3` the claiming broker) while still
+// Pending.
 pub(super) const FIRST_FLOW: &str = "SELECT application, namespace \
      FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
      WHERE status = 'Pending' ORDER BY application, namespace LIMIT 1";
@@ -86,19 +88,20 @@ pub(super) const FLOW_HEADS: &str = "SELECT id \
      ORDER BY added_at LIMIT ?6";
 pub(super) const CLAIM_IDS: &str = concat!(
     "UPDATE inflight_taskactivations \
-       SET status = 'Claimed', claim_expires_at = max(?2, coalesce(claim_expires_at + 1, 0)) \
+       SET status = 'Claimed', claimed_by = ?3, claim_expires_at = max(?2, coalesce(claim_expires_at + 1, 0)) \
      WHERE id IN (SELECT value FROM json_each(?1)) AND status = 'Pending' \
      RETURNING ",
     columns!()
 );
 
 // Concurrency limits (the single writer makes count-then-claim atomic):
-// `?1` namespace; then `?2` limit, `?3` claim expiry, `?4` now.
+// `?1` namespace; then `?2` limit, `?3` claim expiry, `?4` now, `?5` the
+// claiming broker.
 pub(super) const COUNT_NAMESPACE_IN_FLIGHT: &str = "SELECT count(*) \
      FROM inflight_taskactivations WHERE namespace = ?1 AND status IN ('Claimed', 'Processing')";
 pub(super) const CLAIM_LIMITED: &str = concat!(
     "UPDATE inflight_taskactivations \
-       SET status = 'Claimed', claim_expires_at = max(?3, coalesce(claim_expires_at + 1, 0)) \
+       SET status = 'Claimed', claimed_by = ?5, claim_expires_at = max(?3, coalesce(claim_expires_at + 1, 0)) \
      WHERE id IN (SELECT id FROM inflight_taskactivations \
        WHERE status = 'Pending' AND namespace = ?1 \
          AND (expires_at IS NULL OR expires_at > ?4) \
@@ -304,6 +307,8 @@ pub(super) const COUNT_BY_STATUS: &str =
 // before an insert that may cross MAX_INFLIGHT and while it is paused.
 pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM inflight_taskactivations \
      WHERE status IN ('Pending', 'Delay', 'Claimed', 'Processing') GROUP BY topic";
+
+pub(super) const HAS_ROWS: &str = "SELECT EXISTS (SELECT 1 FROM inflight_taskactivations)";
 
 // From the partial indexes, as PostgreSQL's MAX_PENDING_LAG: the 64 oldest
 // stored first-attempt Pending rows and the 64 oldest first-attempt claims.

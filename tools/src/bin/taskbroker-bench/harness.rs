@@ -287,6 +287,38 @@ impl Topics {
     }
 }
 
+/// Runs `scenario` on a scratch PostgreSQL database of its own (given the
+/// scratch, its URL and this run's id), removed afterwards whatever the
+/// outcome.
+pub async fn on_scratch_postgres<F>(admin_url: &str, scenario: F) -> Result<(), String>
+where
+    F: AsyncFnOnce(&Scratch, &str, &str) -> Result<(), String>,
+{
+    let run = run_id();
+    let scratch = Scratch::create(StoreKind::Postgres, admin_url, &run).await?;
+    let result = match &scratch {
+        Scratch::Postgres { url, .. } => scenario(&scratch, &url.clone(), &run).await,
+        _ => Err("this scenario reads claims from PostgreSQL".to_owned()),
+    };
+    scratch.remove().await;
+    result
+}
+
+/// A steady-inflow scenario's Kafka side: this run's topics (named after
+/// `prefix`) on the mock cluster or `brokers`, and a producer to the main
+/// topic.
+pub fn inflow(
+    prefix: &str,
+    run: &str,
+    brokers: Option<&str>,
+    partitions: i32,
+) -> Result<(Topics, Kafka, Producer), String> {
+    let topics = Topics::new(prefix, run);
+    let kafka = Kafka::start(brokers, &[&topics.topic, &topics.dlq], partitions)?;
+    let producer = Producer::new(&kafka.brokers, &topics.topic, partitions, 1)?;
+    Ok((topics, kafka, producer))
+}
+
 /// The broker settings every multi-process scenario starts from: its
 /// store, Kafka and this run's topics, read from the earliest offset.
 pub fn broker_env(scratch: &Scratch, kafka: &Kafka, topics: &Topics) -> Vec<(String, String)> {

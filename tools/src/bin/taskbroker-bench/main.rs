@@ -30,8 +30,10 @@ mod demo;
 mod e2e;
 mod floor;
 mod harness;
+mod idle;
 mod pgstat;
 mod procstat;
+mod recovery;
 mod scrape;
 mod soak;
 mod stranded;
@@ -78,8 +80,13 @@ enum Scenario {
     Floor(floor::FloorArgs),
     /// Workers go away and come back under steady inflow: lag and claims.
     Stranded(stranded::StrandedArgs),
+    /// One of two brokers is killed or frozen under steady inflow: how
+    /// soon its claims are pushed again, duplicates, lost tasks.
+    Recovery(recovery::RecoveryArgs),
     /// The simulated workers (started by `e2e` and `stranded`).
     Workers(workers::WorkersArgs),
+    /// Brokers with nothing to do: database transactions and CPU per second.
+    Idle(idle::IdleArgs),
 }
 
 #[derive(clap::Args)]
@@ -170,7 +177,9 @@ fn main() -> Result<(), String> {
         Scenario::E2e(args) => actix_rt::System::new().block_on(e2e::run(args)),
         Scenario::Floor(args) => actix_rt::System::new().block_on(floor::run(args)),
         Scenario::Stranded(args) => actix_rt::System::new().block_on(stranded::run(args)),
+        Scenario::Recovery(args) => actix_rt::System::new().block_on(recovery::run(args)),
         Scenario::Workers(args) => workers::run(args),
+        Scenario::Idle(args) => actix_rt::System::new().block_on(idle::run(args)),
     }
 }
 

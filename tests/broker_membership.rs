@@ -1,0 +1,494 @@
+//! Broker identity and liveness in the store (`Membership`), on real
+//! databases: claims record their broker, a restarted broker releases what
+//! its previous incarnation claimed, a silent broker is taken over once
+//! with its claims, and a frozen broker that resumes after its takeover
+//! can never push or mark a row a peer has claimed since (the fence).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{TestDb, TestSqlite, insert, row, rows};
+use taskbroker::actors::liveness::Liveness;
+use taskbroker::model::{ActivationStatus, BeatAnswer, BucketRange, Dispatch, PauseRule};
+use taskbroker::store::{
+    ActivationStore, Membership, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TAKEOVER: Duration = Duration::from_secs(5);
+
+async fn postgres_as(db: &TestDb, broker_id: &str) -> Arc<PostgresStore> {
+    let store = PostgresStore::connect(&PostgresStoreConfig {
+        broker_id: broker_id.to_owned(),
+        ..db.store_config()
+    })
+    .expect("store config");
+    store.migrate().await.expect("migrations apply");
+    Arc::new(store)
+}
+
+async fn sqlite_as(db: &TestSqlite, broker_id: &str) -> Arc<SqliteStore> {
+    let store = SqliteStore::open(&SqliteStoreConfig {
+        broker_id: broker_id.to_owned(),
+        ..db.store_config()
+    })
+    .expect("open SQLite store");
+    store.migrate().await.expect("migrations apply");
+    Arc::new(store)
+}
+
+/// `claimed_by` of every Claimed row, by id.
+async fn claimers_pg(db: &TestDb) -> Vec<(String, String)> {
+    db.client()
+        .await
+        .query(
+            "SELECT id, claimed_by FROM inflight_taskactivations \
+             WHERE status = 'Claimed' ORDER BY id",
+            &[],
+        )
+        .await
+        .expect("read claims")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// Makes `broker`'s heartbeat an hour old, as if it had been frozen.
+async fn silence(db: &TestDb, broker: &str) {
+    db.client()
+        .await
+        .execute(
+            "UPDATE taskbroker_brokers SET heartbeat_at = heartbeat_at - interval '1 hour' \
+             WHERE id = $1",
+            &[&broker],
+        )
+        .await
+        .expect("age the heartbeat");
+}
+
+async fn brokers_pg(db: &TestDb) -> Vec<String> {
+    db.client()
+        .await
+        .query("SELECT id FROM taskbroker_brokers ORDER BY id", &[])
+        .await
+        .expect("read brokers")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+async fn status(store: &dyn ActivationStore, id: &str) -> ActivationStatus {
+    store
+        .get(id)
+        .await
+        .expect("get")
+        .expect("row exists")
+        .status
+}
+
+/// Claims through every path a broker claims by (oldest first, with a
+/// pause rule, fair across two namespaces, under a concurrency limit);
+/// answers how many rows were claimed.
+async fn claim_every_way(store: &dyn ActivationStore) -> usize {
+    insert(store, &rows("oldest", 4)).await;
+    let mut claimed = store
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap()
+        .len();
+    let pause = [PauseRule {
+        application: None,
+        namespace: Some("nobody".to_owned()),
+    }];
+    claimed += store
+        .claim_for_push_except(BucketRange::ALL, 1, LEASE, &pause, Dispatch::OldestFirst)
+        .await
+        .unwrap()
+        .len();
+    // Two flows, so fair dispatch interleaves (SQLite claims them by id).
+    let mut other = row("other");
+    other.namespace = "other".to_owned();
+    insert(store, &[other]).await;
+    claimed += store
+        .claim_for_push_except(BucketRange::ALL, 2, LEASE, &[], Dispatch::Fair(&[]))
+        .await
+        .unwrap()
+        .len();
+    let mut limited = row("limited");
+    limited.namespace = "limited".to_owned();
+    insert(store, &[limited]).await;
+    let by_limit = store.claim_limited("limited", 5, 5, LEASE).await.unwrap();
+    assert_eq!(by_limit.len(), 1);
+    claimed + by_limit.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_claim_records_its_broker_on_postgres() {
+    let db = TestDb::new().await;
+    let store = postgres_as(&db, "broker-a").await;
+    assert_eq!(claim_every_way(store.as_ref()).await, 5);
+    let claims = claimers_pg(&db).await;
+    assert_eq!(claims.len(), 5, "{claims:?}");
+    assert!(claims.iter().all(|(_, by)| by == "broker-a"), "{claims:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_claim_records_its_broker_on_sqlite() {
+    let db = TestSqlite::new();
+    let store = sqlite_as(&db, "broker-a").await;
+    assert_eq!(claim_every_way(store.as_ref()).await, 5);
+    let claims: Vec<Option<String>> = db.query(
+        "SELECT claimed_by FROM inflight_taskactivations WHERE status = 'Claimed'",
+        |row| row.get(0),
+    );
+    assert_eq!(claims.len(), 5, "{claims:?}");
+    assert!(
+        claims.iter().all(|by| by.as_deref() == Some("broker-a")),
+        "{claims:?}"
+    );
+}
+
+/// A broker restarted under its id releases what its previous run claimed
+/// at once, and nothing of its peers'; Processing rows keep their deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_broker_releases_only_its_previous_claims() {
+    let db = TestDb::new().await;
+    let a = postgres_as(&db, "broker-a").await;
+    let b = postgres_as(&db, "broker-b").await;
+    a.register_broker("host-a", "first", TAKEOVER)
+        .await
+        .unwrap();
+    b.register_broker("host-b", "first", TAKEOVER)
+        .await
+        .unwrap();
+    insert(a.as_ref(), &rows("t", 6)).await;
+    let of_a = a.claim_for_push(BucketRange::ALL, 3, LEASE).await.unwrap();
+    let of_b = b.claim_for_push(BucketRange::ALL, 2, LEASE).await.unwrap();
+    // One of A's claims was pushed before the crash: Processing.
+    let pushed = a
+        .mark_processing(std::slice::from_ref(&of_a[0].token), Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(pushed.len(), 1);
+    let deadline = a
+        .get(&of_a[0].id)
+        .await
+        .unwrap()
+        .unwrap()
+        .processing_deadline;
+
+    // A dies; its next run finds its row, then registers under the same id.
+    drop(a);
+    let again = postgres_as(&db, "broker-a").await;
+    let left = again
+        .read_broker()
+        .await
+        .unwrap()
+        .expect("the dead run's row");
+    assert_eq!(left.incarnation, "first");
+    assert!(left.silent_for < TAKEOVER);
+    let joined = again
+        .register_broker("host-a", "second", TAKEOVER)
+        .await
+        .unwrap();
+    assert_eq!(joined.live_peers, 1, "broker-b's heartbeat is live");
+    assert_eq!(again.release_previous_claims().await.unwrap(), 2);
+
+    for claim in &of_a[1..] {
+        assert_eq!(
+            status(again.as_ref(), &claim.id).await,
+            ActivationStatus::Pending
+        );
+    }
+    let kept = again.get(&of_a[0].id).await.unwrap().unwrap();
+    assert_eq!(kept.status, ActivationStatus::Processing);
+    assert_eq!(kept.processing_deadline, deadline);
+    for claim in &of_b {
+        let row = b.get(&claim.id).await.unwrap().unwrap();
+        assert_eq!(row.status, ActivationStatus::Claimed);
+        assert_eq!(row.claim_expires_at, Some(claim.token.claim_expires_at));
+    }
+    // B's claims are still its own to push.
+    let tokens: Vec<_> = of_b.iter().map(|claim| claim.token.clone()).collect();
+    assert_eq!(
+        b.mark_processing(&tokens, Duration::ZERO)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    // The old incarnation's heartbeat no longer counts.
+    assert_eq!(
+        again.heartbeat("first", TAKEOVER).await.unwrap(),
+        BeatAnswer::Replaced
+    );
+    assert_eq!(
+        again.heartbeat("second", TAKEOVER).await.unwrap(),
+        BeatAnswer::Accepted { silent_peers: 0 }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_broker_is_taken_over_once_with_its_claims() {
+    let db = TestDb::new().await;
+    let a = postgres_as(&db, "broker-a").await;
+    let b = postgres_as(&db, "broker-b").await;
+    let c = postgres_as(&db, "broker-c").await;
+    for (store, host) in [(&a, "host-a"), (&b, "host-b"), (&c, "host-c")] {
+        store.register_broker(host, "one", TAKEOVER).await.unwrap();
+    }
+    insert(a.as_ref(), &rows("t", 5)).await;
+    let of_a = a.claim_for_push(BucketRange::ALL, 3, LEASE).await.unwrap();
+    let of_c = c.claim_for_push(BucketRange::ALL, 2, LEASE).await.unwrap();
+
+    // Everyone is live: nobody is taken over.
+    assert!(b.take_over_silent(TAKEOVER).await.unwrap().is_empty());
+
+    silence(&db, "broker-a").await;
+    // A peer's heartbeat counts the silent broker, so it knows to take it
+    // over (and a beat with nobody silent costs no takeover statement).
+    assert_eq!(
+        b.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::Accepted { silent_peers: 1 }
+    );
+    // Its own stale row is never a broker's to take over.
+    assert!(a.take_over_silent(TAKEOVER).await.unwrap().is_empty());
+    // Two peers at once: exactly one takes it over.
+    let (by_b, by_c) = tokio::join!(b.take_over_silent(TAKEOVER), c.take_over_silent(TAKEOVER));
+    let mut takeovers = by_b.unwrap();
+    takeovers.extend(by_c.unwrap());
+    assert_eq!(takeovers.len(), 1, "{takeovers:?}");
+    let takeover = &takeovers[0];
+    assert_eq!(takeover.broker_id, "broker-a");
+    assert_eq!(takeover.host, "host-a");
+    assert_eq!(takeover.released, 3);
+    assert!(takeover.silent_for >= Duration::from_secs(3600));
+
+    for claim in &of_a {
+        assert_eq!(
+            status(b.as_ref(), &claim.id).await,
+            ActivationStatus::Pending
+        );
+    }
+    for claim in &of_c {
+        assert_eq!(
+            status(b.as_ref(), &claim.id).await,
+            ActivationStatus::Claimed
+        );
+    }
+    assert_eq!(brokers_pg(&db).await, ["broker-b", "broker-c"]);
+    // A learns of it on its next heartbeat.
+    assert_eq!(
+        a.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::TakenOver
+    );
+    assert_eq!(
+        b.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::Accepted { silent_peers: 0 }
+    );
+    // A clean stop leaves nothing to take over.
+    assert!(b.unregister_broker("one").await.unwrap());
+    assert_eq!(brokers_pg(&db).await, ["broker-c"]);
+}
+
+/// The fence: a broker frozen past the takeover timeout resumes holding a
+/// claim a peer has since released and claimed again. Its liveness refuses
+/// the push (no query), and the fenced writes it could still attempt leave
+/// the peer's claim alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_broker_resuming_after_takeover_never_takes_a_reclaimed_row_as_its_own() {
+    let db = TestDb::new().await;
+    let frozen = postgres_as(&db, "broker-frozen").await;
+    let peer = postgres_as(&db, "broker-peer").await;
+    let window = TAKEOVER - Duration::from_secs(1);
+    let liveness = Liveness::fenced(window);
+    let sent = Instant::now();
+    frozen.register_broker("f", "one", TAKEOVER).await.unwrap();
+    liveness.confirmed(sent);
+    peer.register_broker("p", "one", TAKEOVER).await.unwrap();
+    insert(frozen.as_ref(), &[row("task")]).await;
+
+    let generation = liveness.current().expect("live after registering");
+    let held = frozen
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap()
+        .remove(0);
+    assert!(liveness.may_push(generation));
+
+    // Frozen: its heartbeat goes stale and the peer takes over.
+    silence(&db, "broker-frozen").await;
+    let takeovers = peer.take_over_silent(TAKEOVER).await.unwrap();
+    assert_eq!(takeovers.len(), 1);
+    let reclaimed = peer
+        .claim_for_push(BucketRange::ALL, 1, LEASE)
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(reclaimed.id, held.id);
+
+    // Resumes: the heartbeat is refused, the generation moves on.
+    assert_eq!(
+        frozen.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::TakenOver
+    );
+    liveness.taken_over();
+    assert!(
+        !liveness.may_push(generation),
+        "the held claim is not pushed"
+    );
+    frozen.register_broker("f", "two", TAKEOVER).await.unwrap();
+    liveness.confirmed(Instant::now());
+    assert!(
+        !liveness.may_push(generation),
+        "nor after joining again: it belongs to an older generation"
+    );
+    // What the frozen broker might still write is fenced off.
+    assert!(
+        frozen
+            .mark_processing(std::slice::from_ref(&held.token), Duration::ZERO)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        frozen
+            .release_claims(std::slice::from_ref(&held.token))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(frozen.release_previous_claims().await.unwrap(), 0);
+    let row = peer.get(&held.id).await.unwrap().unwrap();
+    assert_eq!(row.status, ActivationStatus::Claimed);
+    assert_eq!(row.claim_expires_at, Some(reclaimed.token.claim_expires_at));
+    assert_eq!(
+        claimers_pg(&db).await,
+        [(held.id.clone(), "broker-peer".to_owned())]
+    );
+    assert_eq!(
+        peer.mark_processing(std::slice::from_ref(&reclaimed.token), Duration::ZERO)
+            .await
+            .unwrap(),
+        vec![held.id.clone()]
+    );
+}
+
+/// SQLite, single node: only one process opens the file, so at startup
+/// every claim in it was left by a process that is gone, whatever id that
+/// one had; Processing rows keep their deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sqlite_broker_releases_every_claim_left_in_the_file() {
+    let db = TestSqlite::new();
+    let first = sqlite_as(&db, "broker-first").await;
+    first.register_broker("h", "one", TAKEOVER).await.unwrap();
+    insert(first.as_ref(), &rows("t", 4)).await;
+    let claimed = first
+        .claim_for_push(BucketRange::ALL, 3, LEASE)
+        .await
+        .unwrap();
+    first
+        .mark_processing(std::slice::from_ref(&claimed[0].token), Duration::ZERO)
+        .await
+        .unwrap();
+    let deadline = first
+        .get(&claimed[0].id)
+        .await
+        .unwrap()
+        .unwrap()
+        .processing_deadline;
+    drop(first);
+
+    let second = sqlite_as(&db, "broker-second").await;
+    let joined = second.register_broker("h", "one", TAKEOVER).await.unwrap();
+    assert_eq!(joined.live_peers, 0, "no peer can share an SQLite file");
+    assert_eq!(second.release_previous_claims().await.unwrap(), 2);
+    for claim in &claimed[1..] {
+        assert_eq!(
+            status(second.as_ref(), &claim.id).await,
+            ActivationStatus::Pending
+        );
+    }
+    let kept = second.get(&claimed[0].id).await.unwrap().unwrap();
+    assert_eq!(kept.status, ActivationStatus::Processing);
+    assert_eq!(kept.processing_deadline, deadline);
+    let brokers: Vec<String> = db.query("SELECT id FROM taskbroker_brokers", |row| row.get(0));
+    assert_eq!(brokers, ["broker-second"]);
+    // Nothing is silent but the gone broker's row, which registering removed.
+    assert!(
+        second
+            .take_over_silent(Duration::ZERO)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        second.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::Accepted { silent_peers: 0 }
+    );
+    let row = second.read_broker().await.unwrap().expect("its row");
+    assert_eq!(row.incarnation, "one");
+    // Registered again by another incarnation: the first one learns it.
+    second.register_broker("h", "two", TAKEOVER).await.unwrap();
+    assert_eq!(
+        second.heartbeat("one", TAKEOVER).await.unwrap(),
+        BeatAnswer::Replaced
+    );
+    assert!(!second.unregister_broker("one").await.unwrap());
+    assert!(second.unregister_broker("two").await.unwrap());
+    assert_eq!(
+        second.heartbeat("two", TAKEOVER).await.unwrap(),
+        BeatAnswer::TakenOver
+    );
+    assert_eq!(second.read_broker().await.unwrap(), None);
+}
+
+/// Idle cost: a heartbeat that finds no silent peer runs no takeover
+/// statement (one statement per beat); one that counts a silent peer takes
+/// it over at once.
+#[actix_rt::test]
+async fn a_beat_runs_the_takeover_statement_only_when_a_peer_is_silent() {
+    let db = TestDb::new().await;
+    let me = postgres_as(&db, "broker-me").await;
+    let peer = postgres_as(&db, "broker-peer").await;
+    for (store, host) in [(&me, "host-me"), (&peer, "host-peer")] {
+        store.register_broker(host, "one", TAKEOVER).await.unwrap();
+    }
+    insert(peer.as_ref(), &rows("silent", 2)).await;
+    peer.claim_for_push(BucketRange::ALL, 2, LEASE)
+        .await
+        .unwrap();
+    let metrics = Arc::new(taskbroker::metrics::Metrics::new());
+    let handle = common::start_store_actor(me.clone(), Arc::clone(&metrics));
+    let config = taskbroker::actors::heartbeat::MembershipConfig {
+        broker_id: "broker-me".to_owned(),
+        host: "host-me".to_owned(),
+        heartbeat_interval: Duration::from_secs(1),
+        takeover_timeout: TAKEOVER,
+        liveness: Liveness::fenced(TAKEOVER),
+    };
+    let beat = || taskbroker::actors::heartbeat::beat(&handle, &config, "one", &metrics);
+
+    for _ in 0..3 {
+        let outcome = beat().await.unwrap();
+        assert!(
+            matches!(&outcome, taskbroker::actors::heartbeat::Beat::Alive(taken) if taken.is_empty()),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(metrics.store_calls("heartbeat"), 3);
+    assert_eq!(metrics.store_calls("take_over_silent"), 0);
+
+    silence(&db, "broker-peer").await;
+    match beat().await.unwrap() {
+        taskbroker::actors::heartbeat::Beat::Alive(taken) => {
+            assert_eq!(taken.len(), 1);
+            assert_eq!(taken[0].broker_id, "broker-peer");
+            assert_eq!(taken[0].released, 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(metrics.store_calls("take_over_silent"), 1);
+}

@@ -293,6 +293,53 @@ async fn a_silent_broker_is_taken_over_once_with_its_claims() {
     assert_eq!(brokers_pg(&db).await, ["broker-c"]);
 }
 
+/// A heartbeat that meets a peer's takeover in flight (the takeover's DELETE
+/// holds the row's lock until it commits) learns that it was taken over, so
+/// its broker joins again. Reading the row from the statement's snapshot
+/// said instead that another process had registered under its id, and the
+/// broker exited. The takeover is held open here in a transaction of its
+/// own, so the heartbeat is known to wait on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_racing_its_own_takeover_learns_it_was_taken_over() {
+    let db = TestDb::new().await;
+    let a = postgres_as(&db, "broker-a").await;
+    a.register_broker("host-a", "one", TAKEOVER).await.unwrap();
+
+    let mut peer = db.client().await;
+    let takeover = peer.transaction().await.unwrap();
+    takeover
+        .execute("DELETE FROM taskbroker_brokers WHERE id = 'broker-a'", &[])
+        .await
+        .unwrap();
+    let beat = tokio::spawn({
+        let a = Arc::clone(&a);
+        async move { a.heartbeat("one", TAKEOVER).await }
+    });
+    let observer = db.client().await;
+    common::wait_until(
+        "the heartbeat waits on the takeover's row lock",
+        Duration::from_secs(10),
+        || {
+            let observer = &observer;
+            async move {
+                observer
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1
+            }
+        },
+    )
+    .await;
+    takeover.commit().await.unwrap();
+    assert_eq!(beat.await.unwrap().unwrap(), BeatAnswer::TakenOver);
+}
+
 /// The fence: a broker frozen past the takeover timeout resumes holding a
 /// claim a peer has since released and claimed again. Its liveness refuses
 /// the push (no query), and the fenced writes it could still attempt leave

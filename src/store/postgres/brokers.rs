@@ -25,13 +25,12 @@ const REGISTER: &str = "WITH me AS (INSERT INTO taskbroker_brokers \
 const RELEASE_PREVIOUS: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
      WHERE status = 'Claimed' AND claimed_by = $1";
 
-// Whether the row was refreshed, whether a row of this id exists, and how
-// many other brokers are silent for longer than `$3` µs (the subqueries
-// read the statement's snapshot, before the UPDATE).
+// Whether the row was refreshed, and how many other brokers are silent for
+// longer than `$3` µs (read from the statement's snapshot, before the
+// UPDATE).
 const HEARTBEAT: &str = "WITH beat AS (UPDATE taskbroker_brokers SET heartbeat_at = now() \
        WHERE id = $1 AND incarnation = $2 RETURNING 1) \
      SELECT (SELECT count(*) FROM beat), \
-            (SELECT count(*) FROM taskbroker_brokers WHERE id = $1), \
             (SELECT count(*) FROM taskbroker_brokers \
               WHERE id <> $1 AND heartbeat_at < now() - $3::int8 * interval '1 microsecond')";
 
@@ -117,19 +116,20 @@ impl Membership for PostgresStore {
                 &[&self.broker_id, &incarnation, &micros(silent_after)],
             )
             .await?;
-        let (beat, exists, silent) = rows.first().map_or((0, 0, 0), |row| {
-            (
-                row.get::<_, i64>(0),
-                row.get::<_, i64>(1),
-                row.get::<_, i64>(2),
-            )
-        });
-        Ok(match (beat, exists) {
-            (1.., _) => BeatAnswer::Accepted {
+        let (beat, silent) = rows
+            .first()
+            .map_or((0, 0), |row| (row.get::<_, i64>(0), row.get::<_, i64>(1)));
+        if beat > 0 {
+            return Ok(BeatAnswer::Accepted {
                 silent_peers: u64::try_from(silent).unwrap_or(0),
-            },
-            (_, 0) => BeatAnswer::TakenOver,
-            _ => BeatAnswer::Replaced,
+            });
+        }
+        // Refused: look again in a statement of its own. The heartbeat's
+        // snapshot predates a takeover it waited on, and would still show
+        // the row the takeover deleted.
+        Ok(match self.read_broker().await? {
+            Some(row) if row.incarnation != incarnation => BeatAnswer::Replaced,
+            _ => BeatAnswer::TakenOver,
         })
     }
 

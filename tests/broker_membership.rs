@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::{TestDb, TestSqlite, insert, row, rows};
 use taskbroker::actors::liveness::Liveness;
-use taskbroker::model::{ActivationStatus, BeatAnswer, BucketRange, Dispatch, PauseRule};
+use taskbroker::model::{
+    ActivationStatus, BeatAnswer, BucketRange, Dispatch, PauseRule, StatusUpdate, WorkerStatus,
+};
 use taskbroker::store::{
     ActivationStore, Membership, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
@@ -227,6 +229,88 @@ async fn a_restarted_broker_releases_only_its_previous_claims() {
     assert_eq!(
         again.heartbeat("second", TAKEOVER).await.unwrap(),
         BeatAnswer::Accepted { silent_peers: 0 }
+    );
+}
+
+/// `claimed_by` names a row's current claim only: every way out of Claimed
+/// clears it. A broker of a version before V4 (beside this one during a
+/// rolling upgrade) claims without writing the column, so a stale id left
+/// on a row it claims would make that broker's restart or takeover release
+/// a claim another broker is pushing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_by_a_broker_older_than_v4_is_not_released_under_the_previous_claimer_s_id() {
+    let db = TestDb::new().await;
+    let a = postgres_as(&db, "broker-a").await;
+    a.register_broker("host-a", "first", TAKEOVER)
+        .await
+        .unwrap();
+    insert(a.as_ref(), &rows("t", 8)).await;
+    let claims = a.claim_for_push(BucketRange::ALL, 8, LEASE).await.unwrap();
+    let token = |i: usize| std::slice::from_ref(&claims[i].token);
+    assert_eq!(a.release_claims(token(0)).await.unwrap(), 1);
+    assert_eq!(
+        a.mark_processing(token(1), Duration::ZERO)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(a.fail_claim_attempt(token(2), 5).await.unwrap(), 1);
+    assert_eq!(a.fail_claims(token(3)).await.unwrap(), 1);
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    assert_eq!(a.defer_claims(token(4), later).await.unwrap(), 1);
+    let report = StatusUpdate::new(claims[5].id.clone(), WorkerStatus::Retry);
+    assert_eq!(a.set_status(&[report]).await.unwrap().updated, 1);
+    let client = db.client().await;
+    client
+        .execute(
+            "UPDATE inflight_taskactivations SET claim_expires_at = now() - interval '1 minute' \
+             WHERE id = $1",
+            &[&claims[6].id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.release_expired_claims(10).await.unwrap(), 1);
+
+    let named: Vec<(String, String)> = client
+        .query(
+            "SELECT id, status FROM inflight_taskactivations \
+             WHERE claimed_by IS NOT NULL ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(named, [(claims[7].id.clone(), "Claimed".to_owned())]);
+
+    // An older broker claims the row A released, as its claim statement
+    // does: status and lease, no `claimed_by`.
+    client
+        .execute(
+            "UPDATE inflight_taskactivations \
+             SET status = 'Claimed', claim_expires_at = now() + interval '1 minute' \
+             WHERE id = $1",
+            &[&claims[0].id],
+        )
+        .await
+        .unwrap();
+    // A restarts under its id: it releases only the claim it held.
+    drop(a);
+    let again = postgres_as(&db, "broker-a").await;
+    again
+        .register_broker("host-a", "second", TAKEOVER)
+        .await
+        .unwrap();
+    assert_eq!(again.release_previous_claims().await.unwrap(), 1);
+    assert_eq!(
+        status(again.as_ref(), &claims[0].id).await,
+        ActivationStatus::Claimed
+    );
+    assert_eq!(
+        status(again.as_ref(), &claims[7].id).await,
+        ActivationStatus::Pending
     );
 }
 

@@ -22,8 +22,8 @@ const REGISTER: &str = "WITH me AS (INSERT INTO taskbroker_brokers \
 
 // Only while the row is still Claimed by this id: a row anyone claimed
 // since carries their id.
-const RELEASE_PREVIOUS: &str = "UPDATE inflight_taskactivations SET status = 'Pending' \
-     WHERE status = 'Claimed' AND claimed_by = $1";
+const RELEASE_PREVIOUS: &str = "UPDATE inflight_taskactivations \
+     SET status = 'Pending', claimed_by = NULL WHERE status = 'Claimed' AND claimed_by = $1";
 
 // Whether the row was refreshed, and how many other brokers are silent for
 // longer than `$3` µs (read from the statement's snapshot, before the
@@ -46,11 +46,11 @@ const READ_BROKER: &str = "SELECT incarnation, heartbeat_at, \
 const TAKE_OVER_SILENT: &str = "WITH dead AS (DELETE FROM taskbroker_brokers \
        WHERE id <> $1 AND heartbeat_at < now() - $2::int8 * interval '1 microsecond' \
        RETURNING id, host, extract(epoch FROM now() - heartbeat_at)::float8 AS silent), \
-     released AS (UPDATE inflight_taskactivations t SET status = 'Pending' \
+     released AS (UPDATE inflight_taskactivations t SET status = 'Pending', claimed_by = NULL \
        FROM dead WHERE t.status = 'Claimed' AND t.claimed_by = dead.id \
-       RETURNING t.claimed_by) \
+       RETURNING dead.id) \
      SELECT d.id, d.host, d.silent, \
-            (SELECT count(*) FROM released r WHERE r.claimed_by = d.id) \
+            (SELECT count(*) FROM released r WHERE r.id = d.id) \
        FROM dead d ORDER BY d.id";
 
 const UNREGISTER: &str = "DELETE FROM taskbroker_brokers WHERE id = $1 AND incarnation = $2";

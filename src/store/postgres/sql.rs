@@ -204,6 +204,11 @@ pub(super) const CLAIM_FOR_PULL_APPLICATION_UNPAUSED: &str =
 pub(super) const CLAIM_FOR_PULL_NAMESPACE_UNPAUSED: &str =
     claim_for_pull!(concat!(pull_filter!(namespace), not_paused!("$4", "$5")));
 
+// Every way out of Claimed clears `claimed_by`, so the column names only a
+// row's current claim: a broker older than V4 claims without writing it,
+// and a stale id left on such a claim would have the restart or takeover of
+// the broker named release it (tests/broker_membership.rs).
+//
 // Batch writes by id lock their rows in id order first (`held`): two
 // batches touching the same rows (a push pool marking pushes while workers
 // report results) would otherwise lock them in different orders and
@@ -220,13 +225,13 @@ macro_rules! fenced_claims {
 
 pub(super) const RELEASE_CLAIMS: &str = concat!(
     fenced_claims!(),
-    "UPDATE inflight_taskactivations t SET status = 'Pending' \
+    "UPDATE inflight_taskactivations t SET status = 'Pending', claimed_by = NULL \
      FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
 );
 
 pub(super) const MARK_PROCESSING: &str = concat!(
     fenced_claims!(),
-    "UPDATE inflight_taskactivations t SET status = 'Processing', \
+    "UPDATE inflight_taskactivations t SET status = 'Processing', claimed_by = NULL, \
        processing_deadline = now() + ($3::float8 + t.processing_deadline_duration) \
                                       * interval '1 second' \
      FROM held WHERE t.id = held.id AND t.status = 'Claimed' RETURNING t.id"
@@ -235,7 +240,7 @@ pub(super) const MARK_PROCESSING: &str = concat!(
 pub(super) const FAIL_CLAIM_ATTEMPT: &str = concat!(
     fenced_claims!(),
     "UPDATE inflight_taskactivations t \
-       SET processing_attempts = t.processing_attempts + 1, \
+       SET processing_attempts = t.processing_attempts + 1, claimed_by = NULL, \
            status = CASE WHEN t.processing_attempts + 1 >= $3 THEN 'Failure' ELSE 'Pending' END \
      FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
 );
@@ -244,13 +249,14 @@ pub(super) const FAIL_CLAIM_ATTEMPT: &str = concat!(
 pub(super) const FAIL_CLAIMS: &str = concat!(
     fenced_claims!(),
     "UPDATE inflight_taskactivations t \
-       SET processing_attempts = t.processing_attempts + 1, status = 'Failure' \
+       SET processing_attempts = t.processing_attempts + 1, status = 'Failure', \
+           claimed_by = NULL \
      FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
 );
 
 pub(super) const DEFER_CLAIMS: &str = concat!(
     fenced_claims!(),
-    "UPDATE inflight_taskactivations t SET status = 'Delay', delay_until = $3 \
+    "UPDATE inflight_taskactivations t SET status = 'Delay', delay_until = $3, claimed_by = NULL \
      FROM held WHERE t.id = held.id AND t.status = 'Claimed'"
 );
 
@@ -279,7 +285,7 @@ macro_rules! set_status {
              deleted AS (DELETE FROM inflight_taskactivations t USING held \
                WHERE t.id = held.id AND held.finished AND t.status IN ('Claimed', 'Processing') \
                RETURNING held.late, held.namespace, held.reported), \
-             updated AS (UPDATE inflight_taskactivations t SET status = u.status",
+             updated AS (UPDATE inflight_taskactivations t SET status = u.status, claimed_by = NULL",
             $set,
             " FROM u, held \
                WHERE t.id = u.id AND t.id = held.id AND NOT held.finished \
@@ -314,7 +320,7 @@ pub(super) const DELETE_BATCH: &str = "DELETE FROM inflight_taskactivations WHER
 pub(super) const RELEASE_EXPIRED_CLAIMS: &str = "WITH picked AS MATERIALIZED (SELECT id \
        FROM inflight_taskactivations WHERE status = 'Claimed' AND claim_expires_at < now() \
        ORDER BY claim_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
-     UPDATE inflight_taskactivations t SET status = 'Pending' \
+     UPDATE inflight_taskactivations t SET status = 'Pending', claimed_by = NULL \
      FROM picked WHERE t.id = picked.id AND t.status = 'Claimed'";
 
 pub(super) const HANDLE_PROCESSING_DEADLINES: &str = "WITH due AS MATERIALIZED (SELECT id FROM inflight_taskactivations \

@@ -145,7 +145,7 @@ impl Config {
         let in_kubernetes = env("KUBERNETES_SERVICE_HOST").is_some_and(|host| !host.is_empty());
         env("HOSTNAME")
             .filter(|pod| in_kubernetes && parse::check_broker_id(pod).is_ok())
-            .unwrap_or_else(|| format!("broker-{}", uuid::Uuid::new_v4().simple()))
+            .unwrap_or_else(fresh_broker_id)
     }
 
     /// Every setting as `TASKBROKER_NAME=value`, one per line in table order: secrets that are
@@ -261,4 +261,10 @@ pub fn log_settings(
         })?,
     };
     Ok((filter, format))
+}
+
+/// A broker id no other process has: for a broker with nothing stable to
+/// call itself, and for stores opened by tools and tests.
+pub fn fresh_broker_id() -> String {
+    format!("broker-{}", uuid::Uuid::new_v4().simple())
 }

@@ -34,11 +34,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-/// A broker id no other process has: for a broker with nothing stable to
-/// call itself, and for stores opened by tools and tests.
-pub fn fresh_broker_id() -> String {
-    format!("broker-{}", uuid::Uuid::new_v4().simple())
-}
+pub use crate::config::fresh_broker_id;
 
 /// Result of every store operation.
 pub type StoreResult<T> = Result<T, StoreError>;

@@ -351,11 +351,20 @@ pub async fn beat(
     if silent_peers == 0 {
         return Ok(Beat::Alive(Vec::new()));
     }
-    let takeovers = store
+    // The beat itself was accepted (this broker stays live); a failed
+    // takeover is tried again at the next beat that counts a silent peer.
+    let takeovers = match store
         .call(TakeOverSilent {
             timeout: config.takeover_timeout,
         })
-        .await?;
+        .await
+    {
+        Ok(takeovers) => takeovers,
+        Err(err) => {
+            crate::warn_throttled!(error = %err, silent_peers, "cannot take over silent brokers; trying again at the next heartbeat");
+            return Ok(Beat::Alive(Vec::new()));
+        }
+    };
     for takeover in &takeovers {
         metrics.broker_takeovers.inc();
         metrics

@@ -424,6 +424,93 @@ async fn a_heartbeat_racing_its_own_takeover_learns_it_was_taken_over() {
     assert_eq!(beat.await.unwrap().unwrap(), BeatAnswer::TakenOver);
 }
 
+/// A takeover locks the claims it releases in id order, as every batch
+/// write does, so it cannot deadlock with one on the same rows (a worker's
+/// reports, or the frozen broker's own writes as it resumes). A batch holds
+/// the lowest id: the takeover waits for it holding nothing, and the
+/// batch's next row, the highest id, is free. The claims are laid out in
+/// both orders (table and lease order alike), since the plan may walk them
+/// either way round (a hash join probes them in reverse).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_locks_the_claims_it_releases_in_id_order() {
+    takeover_beside_a_batch(["t-3", "t-2", "t-1", "t-0"]).await;
+    takeover_beside_a_batch(["t-0", "t-1", "t-2", "t-3"]).await;
+}
+
+/// Broker A's claims are made in `claim_order` with leases in that order;
+/// then A is silent, a batch locks t-0 and B takes A over.
+async fn takeover_beside_a_batch(claim_order: [&str; 4]) {
+    let db = TestDb::new().await;
+    let a = postgres_as(&db, "broker-a").await;
+    let b = postgres_as(&db, "broker-b").await;
+    for (store, host) in [(&a, "host-a"), (&b, "host-b")] {
+        store.register_broker(host, "one", TAKEOVER).await.unwrap();
+    }
+    insert(a.as_ref(), &rows("t", 4)).await;
+    let client = db.client().await;
+    for (lease_sec, id) in (60_i64..).zip(claim_order) {
+        client
+            .execute(
+                "UPDATE inflight_taskactivations SET status = 'Claimed', \
+                   claimed_by = 'broker-a', \
+                   claim_expires_at = now() + $2::int8 * interval '1 second' \
+                 WHERE id = $1",
+                &[&id, &lease_sec],
+            )
+            .await
+            .unwrap();
+    }
+    silence(&db, "broker-a").await;
+
+    let mut writer = db.client().await;
+    let batch = writer.transaction().await.unwrap();
+    batch
+        .execute(
+            "SELECT id FROM inflight_taskactivations WHERE id = 't-0' FOR UPDATE",
+            &[],
+        )
+        .await
+        .unwrap();
+    let takeover = tokio::spawn({
+        let b = Arc::clone(&b);
+        async move { b.take_over_silent(TAKEOVER).await }
+    });
+    common::wait_until(
+        "the takeover waits on the batch's row lock",
+        Duration::from_secs(10),
+        || {
+            let client = &client;
+            async move {
+                client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1
+            }
+        },
+    )
+    .await;
+    let next = batch
+        .query(
+            "SELECT id FROM inflight_taskactivations WHERE id = 't-3' FOR UPDATE NOWAIT",
+            &[],
+        )
+        .await;
+    assert!(
+        next.is_ok(),
+        "claims made in the order {claim_order:?}: the takeover locked t-3 before t-0: {next:?}"
+    );
+    batch.commit().await.unwrap();
+    let takeovers = takeover.await.unwrap().unwrap();
+    assert_eq!(takeovers.len(), 1, "{takeovers:?}");
+    assert_eq!(takeovers[0].released, 4);
+}
+
 /// The fence: a broker frozen past the takeover timeout resumes holding a
 /// claim a peer has since released and claimed again. Its liveness refuses
 /// the push (no query), and the fenced writes it could still attempt leave

@@ -21,9 +21,14 @@ const REGISTER: &str = "WITH me AS (INSERT INTO taskbroker_brokers \
        FROM me";
 
 // Only while the row is still Claimed by this id: a row anyone claimed
-// since carries their id.
-const RELEASE_PREVIOUS: &str = "UPDATE inflight_taskactivations \
-     SET status = 'Pending', claimed_by = NULL WHERE status = 'Claimed' AND claimed_by = $1";
+// since carries their id. The rows are locked in id order first, as by
+// every batch write (sql.rs, `fenced_claims!`), so a worker's reports on
+// the same rows cannot deadlock with it.
+const RELEASE_PREVIOUS: &str = "WITH held AS MATERIALIZED (SELECT id \
+       FROM inflight_taskactivations WHERE status = 'Claimed' AND claimed_by = $1 \
+       ORDER BY id FOR UPDATE) \
+     UPDATE inflight_taskactivations t SET status = 'Pending', claimed_by = NULL \
+     FROM held WHERE t.id = held.id AND t.status = 'Claimed' AND t.claimed_by = $1";
 
 // Whether the row was refreshed, and how many other brokers are silent for
 // longer than `$3` µs (read from the statement's snapshot, before the
@@ -42,15 +47,21 @@ const READ_BROKER: &str = "SELECT incarnation, heartbeat_at, \
 // DELETE locks each silent row, so of peers running this at once one takes
 // a broker over and the others find its row gone; a heartbeat that commits
 // first makes the row fresh again and the DELETE passes it by. The UPDATE
-// returns that broker's claims to Pending in the same statement.
+// returns that broker's claims to Pending in the same statement, having
+// locked them in id order (`held`) as every batch write does, so reports or
+// the resumed broker's own writes on the same rows cannot deadlock with it.
 const TAKE_OVER_SILENT: &str = "WITH dead AS (DELETE FROM taskbroker_brokers \
        WHERE id <> $1 AND heartbeat_at < now() - $2::int8 * interval '1 microsecond' \
        RETURNING id, host, extract(epoch FROM now() - heartbeat_at)::float8 AS silent), \
+     held AS MATERIALIZED (SELECT t.id, t.claimed_by FROM inflight_taskactivations t \
+       JOIN dead ON t.claimed_by = dead.id WHERE t.status = 'Claimed' \
+       ORDER BY t.id FOR UPDATE OF t), \
      released AS (UPDATE inflight_taskactivations t SET status = 'Pending', claimed_by = NULL \
-       FROM dead WHERE t.status = 'Claimed' AND t.claimed_by = dead.id \
-       RETURNING dead.id) \
+       FROM held WHERE t.id = held.id AND t.status = 'Claimed' \
+         AND t.claimed_by = held.claimed_by \
+       RETURNING held.claimed_by AS broker) \
      SELECT d.id, d.host, d.silent, \
-            (SELECT count(*) FROM released r WHERE r.id = d.id) \
+            (SELECT count(*) FROM released r WHERE r.broker = d.id) \
        FROM dead d ORDER BY d.id";
 
 const UNREGISTER: &str = "DELETE FROM taskbroker_brokers WHERE id = $1 AND incarnation = $2";

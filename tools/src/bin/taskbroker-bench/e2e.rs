@@ -20,7 +20,8 @@
 use std::time::{Duration, Instant};
 
 use crate::harness::{
-    BrokerProcess, Kafka, Producer, Scratch, StoreKind, Topics, WorkersProcess, broker_env, run_id,
+    BrokerProcess, Kafka, Producer, Scratch, Services, StoreKind, Topics, WorkersProcess,
+    broker_env, run_id,
 };
 use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
@@ -60,16 +61,8 @@ pub struct E2eArgs {
     /// records per partition, so a burn-down needs N / 25,000 or more).
     #[arg(long, default_value_t = 8)]
     pub partitions: i32,
-    /// A real Kafka instead of the in-process mock cluster.
-    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
-    pub kafka_brokers: Option<String>,
-    /// Server the scratch database is created on.
-    #[arg(
-        long,
-        env = "TASKBROKER_TEST_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub admin_url: String,
+    #[command(flatten)]
+    pub services: Services,
     /// Give up after this long.
     #[arg(long, default_value_t = 900)]
     pub timeout_sec: u64,
@@ -88,7 +81,7 @@ pub struct E2eArgs {
 
 pub async fn run(args: E2eArgs) -> Result<(), String> {
     let run = run_id();
-    let scratch = Scratch::create(args.store, &args.admin_url, &run).await?;
+    let scratch = Scratch::create(args.store, &args.services.admin_url, &run).await?;
     let result = run_in(&args, &run, &scratch).await;
     scratch.remove().await;
     result
@@ -98,7 +91,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     let topics = Topics::new("bench", run);
     let topic = &topics.topic;
     let kafka = Kafka::start(
-        args.kafka_brokers.as_deref(),
+        args.services.kafka_brokers.as_deref(),
         &[topic, &topics.dlq],
         args.partitions,
     )?;
@@ -109,7 +102,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         args.partitions,
         args.linger_ms.unwrap_or(if open_loop { 1 } else { 5 }),
     )?;
-    if args.kafka_brokers.is_none()
+    if args.services.kafka_brokers.is_none()
         && !open_loop
         && args.tasks / args.partitions.max(1) as u64 > 25_000
     {

@@ -729,3 +729,19 @@ impl Drop for WorkersProcess {
         }
     }
 }
+
+/// The services a scenario runs against, the same flags for every scenario
+/// that uses both.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Services {
+    /// A real Kafka instead of the in-process mock cluster.
+    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
+    pub kafka_brokers: Option<String>,
+    /// Server the scratch database is created on.
+    #[arg(
+        long,
+        env = "TASKBROKER_TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub admin_url: String,
+}

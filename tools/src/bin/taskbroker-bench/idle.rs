@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use crate::connect;
-use crate::harness::{BrokerProcess, broker_env, inflow, on_scratch_postgres};
+use crate::harness::{BrokerProcess, Services, broker_env, inflow, on_scratch_postgres};
 use crate::pgstat::PgCounters;
 use crate::procstat::cpu_seconds;
 
@@ -24,20 +24,15 @@ pub struct IdleArgs {
     /// Brokers sharing the database and consumer group.
     #[arg(long, default_value_t = 1)]
     pub brokers: usize,
-    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
-    pub kafka_brokers: Option<String>,
-    #[arg(
-        long,
-        env = "TASKBROKER_TEST_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub admin_url: String,
+    #[command(flatten)]
+    pub services: Services,
 }
 
 pub async fn run(args: IdleArgs) -> Result<(), String> {
-    let admin_url = args.admin_url.clone();
+    let admin_url = args.services.admin_url.clone();
     on_scratch_postgres(&admin_url, async |scratch, url, run| {
-        let (topics, kafka, _producer) = inflow("idle", run, args.kafka_brokers.as_deref(), 4)?;
+        let (topics, kafka, _producer) =
+            inflow("idle", run, args.services.kafka_brokers.as_deref(), 4)?;
         let database = url
             .rsplit('/')
             .next()

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use crate::connect;
 use crate::demo::{DemoWorker, Mode};
-use crate::harness::{BrokerProcess, Scratch, broker_env, inflow, on_scratch_postgres, signal};
+use crate::harness::{
+    BrokerProcess, Scratch, Services, broker_env, inflow, on_scratch_postgres, signal,
+};
 use crate::scrape::metric;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,21 +67,15 @@ pub struct RecoveryArgs {
     /// TASKBROKER_TAKEOVER_TIMEOUT_MS of both brokers.
     #[arg(long, default_value_t = 3000)]
     pub takeover_ms: u64,
-    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
-    pub kafka_brokers: Option<String>,
-    #[arg(
-        long,
-        env = "TASKBROKER_TEST_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub admin_url: String,
+    #[command(flatten)]
+    pub services: Services,
 }
 
 const VICTIM: &str = "bench-victim";
 const PEER: &str = "bench-peer";
 
 pub async fn run(args: RecoveryArgs) -> Result<(), String> {
-    on_scratch_postgres(&args.admin_url, async |scratch, url, run| {
+    on_scratch_postgres(&args.services.admin_url, async |scratch, url, run| {
         run_in(&args, run, scratch, url).await
     })
     .await
@@ -94,7 +90,7 @@ async fn run_in(
     let (topics, kafka, producer) = inflow(
         "recovery",
         run,
-        args.kafka_brokers.as_deref(),
+        args.services.kafka_brokers.as_deref(),
         args.partitions,
     )?;
     let mut workers = Vec::new();

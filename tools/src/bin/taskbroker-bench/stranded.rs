@@ -25,7 +25,8 @@ use taskbroker::config::Config;
 
 use crate::connect;
 use crate::harness::{
-    BrokerProcess, Scratch, WorkersProcess, broker_env, inflow, on_scratch_postgres, signal,
+    BrokerProcess, Scratch, Services, WorkersProcess, broker_env, inflow, on_scratch_postgres,
+    signal,
 };
 use crate::scrape::metric;
 
@@ -82,14 +83,8 @@ pub struct StrandedArgs {
     pub partitions: i32,
     #[arg(long, default_value_t = 250)]
     pub sample_ms: u64,
-    #[arg(long, env = "TASKBROKER_BENCH_KAFKA_BROKERS")]
-    pub kafka_brokers: Option<String>,
-    #[arg(
-        long,
-        env = "TASKBROKER_TEST_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub admin_url: String,
+    #[command(flatten)]
+    pub services: Services,
 }
 
 struct Sample {
@@ -102,7 +97,7 @@ struct Sample {
 }
 
 pub async fn run(args: StrandedArgs) -> Result<(), String> {
-    on_scratch_postgres(&args.admin_url, async |scratch, url, run| {
+    on_scratch_postgres(&args.services.admin_url, async |scratch, url, run| {
         run_in(&args, run, scratch, url).await
     })
     .await
@@ -117,7 +112,7 @@ async fn run_in(
     let (topics, kafka, producer) = inflow(
         "stranded",
         run,
-        args.kafka_brokers.as_deref(),
+        args.services.kafka_brokers.as_deref(),
         args.partitions,
     )?;
     let worker_args = |ports: &[String]| -> Vec<String> {

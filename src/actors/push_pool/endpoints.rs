@@ -530,10 +530,24 @@ impl WorkerEndpoint {
     /// Waits until this connection may be tried: at once while healthy;
     /// while backing off, one probe at a time once the backoff has passed.
     /// Gives up at `deadline`.
-    pub(super) async fn admit(&self, deadline: Instant) -> Result<(), ()> {
+    pub(super) async fn admit(&self, deadline: Instant) -> Result<Admission<'_>, ()> {
         loop {
-            let Err(wait_until) = self.health().admit_at(Instant::now()) else {
-                return Ok(());
+            let admitted = {
+                let mut health = self.health();
+                let probing = health.probing;
+                health
+                    .admit_at(Instant::now())
+                    .map(|()| !probing && health.probing)
+            };
+            let wait_until = match admitted {
+                Ok(probe) => {
+                    return Ok(Admission {
+                        endpoint: self,
+                        probe,
+                        settled: false,
+                    });
+                }
+                Err(at) => at,
             };
             if wait_until >= deadline {
                 tokio::time::sleep_until(deadline).await;
@@ -543,7 +557,7 @@ impl WorkerEndpoint {
         }
     }
 
-    pub(super) fn record(&self, outcome: &PushOutcome) {
+    fn record(&self, outcome: &PushOutcome) {
         let healthy = outcome.endpoint_healthy();
         let now = Instant::now();
         let recovered = {
@@ -582,6 +596,33 @@ impl WorkerEndpoint {
     }
 }
 
+/// A push [`WorkerEndpoint::admit`] let through. Recording its outcome
+/// settles it. Dropped unrecorded (the push was not sent after all: the
+/// broker's liveness refused it, or the pool stopped), it gives back the
+/// probe slot it may hold, so the connection's next push probes instead of
+/// the connection waiting for an outcome that never comes.
+pub(super) struct Admission<'a> {
+    endpoint: &'a WorkerEndpoint,
+    /// This push is the one probe of a connection that is backing off.
+    probe: bool,
+    settled: bool,
+}
+
+impl Admission<'_> {
+    pub(super) fn record(mut self, outcome: &PushOutcome) {
+        self.settled = true;
+        self.endpoint.record(outcome);
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if self.probe && !self.settled {
+            self.endpoint.health().abandon_probe();
+        }
+    }
+}
+
 /// A connection's backoff as a state machine over explicit instants (the
 /// callers pass tokio's clock), so its rules are tested without waiting.
 impl Health {
@@ -597,6 +638,12 @@ impl Health {
             Some(_) if self.probing => Err(now + MIN_ENDPOINT_BACKOFF),
             Some(at) => Err(at),
         }
+    }
+
+    /// The probe was not sent: the backoff stands, and the next push after
+    /// it may probe.
+    fn abandon_probe(&mut self) {
+        self.probing = false;
     }
 
     /// Records a push's outcome at `now`: success resets the backoff, a

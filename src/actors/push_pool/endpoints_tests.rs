@@ -176,3 +176,20 @@ fn draws_spread_over_every_index() {
     }
     assert!(seen.iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
 }
+
+#[test]
+fn a_probe_given_back_unsent_lets_the_next_push_probe_after_the_same_pause() {
+    let mut health = Health::default();
+    let now = Instant::now();
+    health.record_at(false, now);
+    let pause = pause_after(1);
+    assert_eq!(health.admit_at(now + pause), Ok(()), "the probe");
+    assert_eq!(
+        health.admit_at(now + pause),
+        Err(now + pause + MIN_ENDPOINT_BACKOFF)
+    );
+    health.abandon_probe();
+    // The backoff stands (nothing was learnt), and the next push probes.
+    assert_eq!(health.consecutive_failures, 1);
+    assert_eq!(health.admit_at(now + pause), Ok(()), "the next probe");
+}

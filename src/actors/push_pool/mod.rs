@@ -346,10 +346,12 @@ impl PushShared {
             // Checked last before sending: a broker whose heartbeat is
             // overdue may have been taken over, and its claims pushed by a
             // peer (`liveness.rs`).
-            Ok(()) if !claim.may_push() => {
+            Ok(admission) if !claim.may_push() => {
+                // Unsent: a probe's slot goes back to the connection.
+                drop(admission);
                 return self.release_unpushed(claim, "not_live").await;
             }
-            Ok(()) => {
+            Ok(admission) => {
                 let request = PushTaskBytes::new(activation.activation, &self.config.callback_url);
                 let size = request.len();
                 let signature = self
@@ -368,7 +370,7 @@ impl PushShared {
                 self.metrics
                     .push_duration
                     .observe(started.elapsed().as_secs_f64());
-                endpoint.record(&outcome);
+                admission.record(&outcome);
                 if let PushOutcome::TooLarge(detail) = &outcome {
                     tracing::warn!(
                         activation_id = %claim.token().id,

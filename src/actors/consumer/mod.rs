@@ -320,7 +320,12 @@ impl ConsumeLoop {
                 events,
                 ownership: Arc::clone(&ownership),
                 log: ThrottledLog::default(),
-                lag: PartitionLag::new(Arc::clone(&metrics), &config.auto_offset_reset),
+                lag: PartitionLag::new(
+                    Arc::clone(&metrics),
+                    &config.topic,
+                    config.label(),
+                    &config.auto_offset_reset,
+                ),
             })
             .map_err(|err| format!("Kafka consumer: {err}"))?;
         consumer

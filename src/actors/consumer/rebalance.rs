@@ -169,17 +169,28 @@ impl ClientContext for RebalanceContext {
 
 /// `taskbroker_consumer_lag{topic, partition}` from librdkafka's statistics:
 /// a series for each partition the consumer holds, removed when it no
-/// longer does.
+/// longer does. The `topic` label is the consumer's own (`topic@cluster`
+/// off the default cluster), as on every consumer metric: two consumers of
+/// one topic name on two clusters keep apart.
 pub(super) struct PartitionLag {
     metrics: Arc<Metrics>,
+    /// The topic this consumer subscribes to, as librdkafka names it.
+    topic: String,
+    /// Its label on the metrics.
+    label: String,
     /// Where a partition the group never committed on starts
     /// (`auto.offset.reset`): at its first record, or at its end.
     from_start: Option<bool>,
-    shown: Mutex<HashSet<(String, i32)>>,
+    shown: Mutex<HashSet<i32>>,
 }
 
 impl PartitionLag {
-    pub(super) fn new(metrics: Arc<Metrics>, auto_offset_reset: &str) -> Self {
+    pub(super) fn new(
+        metrics: Arc<Metrics>,
+        topic: &str,
+        label: String,
+        auto_offset_reset: &str,
+    ) -> Self {
         let from_start = match auto_offset_reset {
             "smallest" | "earliest" | "beginning" => Some(true),
             "largest" | "latest" | "end" => Some(false),
@@ -187,14 +198,16 @@ impl PartitionLag {
         };
         PartitionLag {
             metrics,
+            topic: topic.to_owned(),
+            label,
             from_start,
             shown: Mutex::default(),
         }
     }
 
-    fn update(&self, statistics: &Statistics) {
+    pub(super) fn update(&self, statistics: &Statistics) {
         let mut now = HashSet::new();
-        for (topic, stats) in &statistics.topics {
+        if let Some(stats) = statistics.topics.get(&self.topic) {
             for (partition, stats) in &stats.partitions {
                 // -1 is librdkafka's internal "unassigned" partition;
                 // `desired` marks the partitions this consumer was assigned.
@@ -206,17 +219,14 @@ impl PartitionLag {
                 };
                 self.metrics
                     .consumer_lag
-                    .with_label_values(&[topic.as_str(), &partition.to_string()])
+                    .with_label_values(&[self.label.as_str(), &partition.to_string()])
                     .set(lag);
-                now.insert((topic.clone(), *partition));
+                now.insert(*partition);
             }
         }
         let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
-        for (topic, partition) in shown.difference(&now) {
-            let _ = self
-                .metrics
-                .consumer_lag
-                .remove_label_values(&[topic.as_str(), &partition.to_string()]);
+        for partition in shown.difference(&now) {
+            self.remove(*partition);
         }
         *shown = now;
     }
@@ -224,25 +234,35 @@ impl PartitionLag {
     /// Removes every series (the consumer stopped).
     pub(super) fn clear(&self) {
         let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
-        for (topic, partition) in shown.drain() {
-            let _ = self
-                .metrics
-                .consumer_lag
-                .remove_label_values(&[topic.as_str(), &partition.to_string()]);
+        for partition in shown.drain() {
+            self.remove(partition);
         }
+    }
+
+    fn remove(&self, partition: i32) {
+        let _ = self
+            .metrics
+            .consumer_lag
+            .remove_label_values(&[self.label.as_str(), &partition.to_string()]);
     }
 }
 
 /// Records past the committed offset; else past the offset the consumer
 /// stored (read and written, commit under way); for a partition the group
-/// never committed on, every record from where `auto.offset.reset` starts
-/// it. `None` while librdkafka does not know the partition's offsets yet.
+/// never committed on, once the consumer fetches from it, every record from
+/// where `auto.offset.reset` starts it. `None` while librdkafka does not
+/// know the partition's offsets yet: right after an assignment the
+/// committed offset is still being looked up, and the whole partition is
+/// no lag of this group's.
 fn partition_lag(stats: &rdkafka::statistics::Partition, from_start: Option<bool>) -> Option<i64> {
     if let Some(lag) = [stats.consumer_lag, stats.consumer_lag_stored]
         .into_iter()
         .find(|lag| *lag >= 0)
     {
         return Some(lag);
+    }
+    if stats.fetch_state != "active" {
+        return None;
     }
     let (first, end) = (stats.lo_offset, stats.hi_offset);
     match from_start? {
@@ -307,6 +327,94 @@ impl ConsumerContext for RebalanceContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdkafka::statistics::{Partition, Topic};
+
+    fn partition(fetch_state: &str, committed_lag: i64) -> Partition {
+        Partition {
+            desired: true,
+            fetch_state: fetch_state.to_owned(),
+            consumer_lag: committed_lag,
+            consumer_lag_stored: -1,
+            lo_offset: 0,
+            hi_offset: 1_000_000,
+            ..Default::default()
+        }
+    }
+
+    fn statistics_of(topic: &str, partitions: &[(i32, Partition)]) -> Statistics {
+        let mut statistics = Statistics::default();
+        statistics.topics.insert(
+            topic.to_owned(),
+            Topic {
+                topic: topic.to_owned(),
+                partitions: partitions.iter().cloned().collect(),
+                ..Default::default()
+            },
+        );
+        statistics
+    }
+
+    #[test]
+    fn no_lag_is_shown_for_a_partition_whose_committed_offset_is_still_looked_up() {
+        // Right after an assignment: neither lag is known yet, and the
+        // retained records are no measure of this group's lag.
+        assert_eq!(
+            partition_lag(&partition("offset-query", -1), Some(true)),
+            None
+        );
+        assert_eq!(
+            partition_lag(&partition("offset-wait", -1), Some(true)),
+            None
+        );
+        // Fetching with no committed offset: everything from the start.
+        assert_eq!(
+            partition_lag(&partition("active", -1), Some(true)),
+            Some(1_000_000)
+        );
+        assert_eq!(
+            partition_lag(&partition("active", -1), Some(false)),
+            Some(0)
+        );
+        assert_eq!(
+            partition_lag(&partition("active", 42), Some(true)),
+            Some(42)
+        );
+    }
+
+    #[test]
+    fn consumers_of_one_topic_name_on_two_clusters_keep_their_own_series() {
+        let metrics = Arc::new(Metrics::new());
+        let on_a = PartitionLag::new(
+            Arc::clone(&metrics),
+            "tasks",
+            "tasks".to_owned(),
+            "earliest",
+        );
+        let on_b = PartitionLag::new(
+            Arc::clone(&metrics),
+            "tasks",
+            "tasks@b".to_owned(),
+            "earliest",
+        );
+        on_a.update(&statistics_of("tasks", &[(0, partition("active", 5))]));
+        on_b.update(&statistics_of("tasks", &[(0, partition("active", 9))]));
+        let series = |label: &str| {
+            metrics.render().lines().find_map(|line| {
+                line.strip_prefix(&format!(
+                    "taskbroker_consumer_lag{{partition=\"0\",topic=\"{label}\"}} "
+                ))
+                .map(str::to_owned)
+            })
+        };
+        assert_eq!(series("tasks").as_deref(), Some("5"));
+        assert_eq!(series("tasks@b").as_deref(), Some("9"));
+        // One consumer giving the partition up leaves the other's series.
+        on_b.update(&statistics_of("tasks", &[]));
+        assert_eq!(series("tasks@b"), None);
+        assert_eq!(series("tasks").as_deref(), Some("5"));
+        on_a.clear();
+        assert_eq!(series("tasks"), None);
+    }
 
     #[test]
     fn each_revocation_starts_a_new_generation_of_that_partition_only() {

@@ -177,8 +177,13 @@ fn main() -> ExitCode {
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            tracing::error!("{message}");
-            eprintln!("taskbroker: {message}");
+            // Logs go to stderr too: once there, in the log's format. A
+            // failure before logging was set up goes to stderr plainly.
+            if tracing::dispatcher::has_been_set() {
+                tracing::error!("{message}");
+            } else {
+                eprintln!("taskbroker: {message}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -215,8 +215,9 @@ impl Metrics {
         let registry = Registry::new();
         // The standard `process_*` series (CPU seconds, resident and virtual
         // memory, open and maximum file descriptors, start time), read from
-        // /proc at each scrape. Elsewhere than Linux the collector has
-        // nothing to report.
+        // /proc at each scrape. The prometheus crate has the collector on
+        // Linux only.
+        #[cfg(target_os = "linux")]
         registry
             .register(Box::new(
                 prometheus::process_collector::ProcessCollector::for_self(),
@@ -898,6 +899,7 @@ mod tests {
         assert!(text.contains("taskbroker_status_reports_total{status=\"invalid\"} 0"));
         assert!(text.contains("taskbroker_status_updates_total{result=\"missing\"} 0"));
         assert!(text.contains("taskbroker_status_updates_late_total 0"));
+        #[cfg(target_os = "linux")]
         for process in [
             "process_cpu_seconds_total",
             "process_resident_memory_bytes",

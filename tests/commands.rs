@@ -183,6 +183,12 @@ fn an_unreachable_database_is_named_by_host_and_port() {
         stderr.contains("cannot connect to PostgreSQL at 127.0.0.1:1: "),
         "{stderr}"
     );
+    // Once: the log line, not the log line and a plain copy beside it.
+    assert_eq!(
+        stderr.matches("cannot connect to PostgreSQL at").count(),
+        1,
+        "{stderr}"
+    );
     assert!(!stderr.contains("secret"), "{stderr}");
 }
 

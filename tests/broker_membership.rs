@@ -70,6 +70,23 @@ async fn silence(db: &TestDb, broker: &str) {
         .expect("age the heartbeat");
 }
 
+/// Waits until one session of the test's database waits on a lock.
+async fn wait_for_a_lock_wait(client: &tokio_postgres::Client, what: &str) {
+    common::wait_until(what, Duration::from_secs(10), || async {
+        client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+}
+
 async fn brokers_pg(db: &TestDb) -> Vec<String> {
     db.client()
         .await
@@ -400,26 +417,7 @@ async fn a_heartbeat_racing_its_own_takeover_learns_it_was_taken_over() {
         async move { a.heartbeat("one", TAKEOVER).await }
     });
     let observer = db.client().await;
-    common::wait_until(
-        "the heartbeat waits on the takeover's row lock",
-        Duration::from_secs(10),
-        || {
-            let observer = &observer;
-            async move {
-                observer
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity \
-                         WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                        &[],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, i64>(0)
-                    == 1
-            }
-        },
-    )
-    .await;
+    wait_for_a_lock_wait(&observer, "the heartbeat waits on the takeover's row lock").await;
     takeover.commit().await.unwrap();
     assert_eq!(beat.await.unwrap().unwrap(), BeatAnswer::TakenOver);
 }
@@ -475,26 +473,7 @@ async fn takeover_beside_a_batch(claim_order: [&str; 4]) {
         let b = Arc::clone(&b);
         async move { b.take_over_silent(TAKEOVER).await }
     });
-    common::wait_until(
-        "the takeover waits on the batch's row lock",
-        Duration::from_secs(10),
-        || {
-            let client = &client;
-            async move {
-                client
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity \
-                         WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                        &[],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, i64>(0)
-                    == 1
-            }
-        },
-    )
-    .await;
+    wait_for_a_lock_wait(&client, "the takeover waits on the batch's row lock").await;
     let next = batch
         .query(
             "SELECT id FROM inflight_taskactivations WHERE id = 't-3' FOR UPDATE NOWAIT",

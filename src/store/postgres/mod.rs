@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 use tokio_postgres::Row;
 
-use self::pool::{build_pool, connect_config, describe, pool_error, query_error};
+use self::pool::{build_pool, connect_config, describe, only_row, pool_error, query_error};
 use self::rows::{activation_from_row, activations_from_rows, limit, micros, split_tokens};
 use self::sql::*;
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
@@ -559,11 +559,7 @@ impl ActivationStore for PostgresStore {
             self.query(&self.pool, OP, SET_STATUS, &[&ids, &statuses])
                 .await?
         };
-        let row = rows.into_iter().next();
-        let row = row.ok_or(StoreError::Query {
-            operation: OP,
-            message: "status counts returned no row".to_owned(),
-        })?;
+        let row = only_row(OP, rows)?;
         let count = |index: usize| -> StoreResult<u64> {
             let value: i64 = row.try_get(index).map_err(|e| query_error(OP, e))?;
             Ok(u64::try_from(value).unwrap_or(0))
@@ -810,21 +806,13 @@ impl ActivationStore for PostgresStore {
 
     async fn has_rows(&self) -> StoreResult<bool> {
         const OP: &str = "has_rows";
-        let rows = self.query(&self.pool, OP, HAS_ROWS, &[]).await?;
-        let row = rows.first().ok_or(StoreError::Query {
-            operation: OP,
-            message: "EXISTS returned no row".to_owned(),
-        })?;
+        let row = only_row(OP, self.query(&self.pool, OP, HAS_ROWS, &[]).await?)?;
         row.try_get(0).map_err(|e| query_error(OP, e))
     }
 
     async fn max_pending_lag(&self) -> StoreResult<f64> {
         const OP: &str = "max_pending_lag";
-        let rows = self.query(&self.pool, OP, MAX_PENDING_LAG, &[]).await?;
-        let row = rows.first().ok_or(StoreError::Query {
-            operation: OP,
-            message: "aggregate returned no row".to_owned(),
-        })?;
+        let row = only_row(OP, self.query(&self.pool, OP, MAX_PENDING_LAG, &[]).await?)?;
         row.try_get(0).map_err(|e| query_error(OP, e))
     }
 

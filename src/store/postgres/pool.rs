@@ -65,6 +65,18 @@ pub(super) fn build_pool(config: &PostgresStoreConfig, async_commit: bool) -> St
         .map_err(|err| StoreError::Config(format!("cannot build connection pool: {err}")))
 }
 
+/// The one row an aggregate statement always answers; its absence is a
+/// `Query` error naming the operation.
+pub(super) fn only_row(
+    operation: &'static str,
+    rows: Vec<tokio_postgres::Row>,
+) -> Result<tokio_postgres::Row, StoreError> {
+    rows.into_iter().next().ok_or(StoreError::Query {
+        operation,
+        message: "the statement returned no row".to_owned(),
+    })
+}
+
 /// Connection-level failures are retryable (`Unavailable`); data the server
 /// refused is `Rejected`; anything else it rejected about the statement
 /// itself is a `Query` error.

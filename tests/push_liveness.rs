@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, rows, wait_for_count, wait_until};
+use common::{TestDb, rows, wait_for_count, wait_for_status, wait_until};
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::liveness::Liveness;
 use taskbroker::actors::push_pool::{PushPoolConfig, SpreadConfig};
@@ -65,27 +65,15 @@ async fn a_probe_refused_by_liveness_leaves_the_connection_free_to_recover() {
     let pipeline =
         PushPipeline::start_fenced(config, store_actor, Arc::clone(&metrics), liveness.clone())
             .unwrap();
-    let processing = |n: u64| {
-        let store = Arc::clone(&store);
-        move || {
-            let store = Arc::clone(&store);
-            async move {
-                store
-                    .count_by_status()
-                    .await
-                    .unwrap()
-                    .get(ActivationStatus::Processing)
-                    == n
-            }
-        }
-    };
     let all = rows("probe", 200);
     store.insert_batch(&all[..20]).await.unwrap();
     pipeline.wake();
-    wait_until(
+    wait_for_status(
         "the first rows are pushed",
         Duration::from_secs(30),
-        processing(20),
+        store.as_ref(),
+        ActivationStatus::Processing,
+        20,
     )
     .await;
 
@@ -122,10 +110,12 @@ async fn a_probe_refused_by_liveness_leaves_the_connection_free_to_recover() {
     liveness.confirmed(Instant::now());
     worker.restart().expect("worker restarts");
     pipeline.wake();
-    wait_until(
+    wait_for_status(
         "every row is pushed after the worker is back",
         Duration::from_secs(30),
-        processing(200),
+        store.as_ref(),
+        ActivationStatus::Processing,
+        200,
     )
     .await;
     pipeline.stop().await;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::worker::{FakeWorker, Mode};
-use common::{TestDb, rows, wait_until};
+use common::{TestDb, rows, wait_for_status, wait_until};
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
@@ -94,27 +94,15 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
         },
     };
     let pipeline = PushPipeline::start(config, store_actor, Arc::clone(&metrics)).unwrap();
-    let processing = |n: u64| {
-        let store = Arc::clone(&store);
-        move || {
-            let store = Arc::clone(&store);
-            async move {
-                store
-                    .count_by_status()
-                    .await
-                    .unwrap()
-                    .get(ActivationStatus::Processing)
-                    == n
-            }
-        }
-    };
     let all = rows("down", 600);
     store.insert_batch(&all[..100]).await.unwrap();
     pipeline.wake();
-    wait_until(
+    wait_for_status(
         "the first rows are pushed",
         Duration::from_secs(30),
-        processing(100),
+        store.as_ref(),
+        ActivationStatus::Processing,
+        100,
     )
     .await;
 
@@ -157,10 +145,12 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
     )
     .await;
     let back_after = back.elapsed();
-    wait_until(
+    wait_for_status(
         "every row is pushed",
         Duration::from_secs(60),
-        processing(600),
+        store.as_ref(),
+        ActivationStatus::Processing,
+        600,
     )
     .await;
     // Connections that carried a push since are ready again; the others

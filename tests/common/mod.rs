@@ -490,6 +490,21 @@ pub async fn wait_for_count(
     .await;
 }
 
+/// Waits until exactly `n` rows of `store` are in `status`, failing the
+/// test after `limit`.
+pub async fn wait_for_status(
+    what: &str,
+    limit: std::time::Duration,
+    store: &dyn ActivationStore,
+    status: taskbroker::model::ActivationStatus,
+    n: u64,
+) {
+    wait_until(what, limit, || async {
+        store.count_by_status().await.expect("count").get(status) == n
+    })
+    .await;
+}
+
 /// GET `path` from an HTTP/1 server at `addr`: (status, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");

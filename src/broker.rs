@@ -223,8 +223,10 @@ impl ConsumerConfig {
             auto_offset_reset: config.kafka_auto_offset_reset.as_str().to_owned(),
             ingest_dlq_topic: topology.ingest_dlq.topic.clone(),
             batch_size: config.insert_batch_size,
+            batch_bytes: config.insert_batch_bytes,
             batch_max_wait: config.insert_batch_max_wait,
             max_inflight: config.max_inflight as u64,
+            max_inflight_bytes: config.max_inflight_bytes,
             max_delay: config.max_delay,
             // The consumer stops first; after it the push pipeline needs
             // about one push timeout to end its pushes and release claims.

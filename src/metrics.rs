@@ -97,6 +97,11 @@ pub struct Metrics {
     pub invalid_records: IntCounterVec,
     /// Records written to the ingest dead-letter topic, by result (ok, error).
     pub ingest_dead_letters: IntCounterVec,
+    /// Dead letters Kafka refused whole as too large and took cut short, by
+    /// kind (ingest, deadletter).
+    pub dead_letters_truncated: IntCounterVec,
+    /// Bytes of the activations the store holds, by consumed topic.
+    pub inflight_bytes: IntGaugeVec,
     /// Partitions each topic's consumer holds, by topic.
     pub partitions_assigned: IntGaugeVec,
     /// Assignments each consumer received (readiness needs one, even empty),
@@ -335,6 +340,16 @@ impl Metrics {
             "Invalid records written to the ingest dead-letter topic, by result.",
             &["result"],
         );
+        let dead_letters_truncated = counter_vec(
+            "taskbroker_dead_letters_truncated_total",
+            "Dead letters Kafka refused as too large and that were written cut short instead, by kind.",
+            &["kind"],
+        );
+        let inflight_bytes = gauge_vec(
+            "taskbroker_inflight_bytes",
+            "Bytes of the activations the store holds (every status, until upkeep removes the row), by consumed topic; MAX_INFLIGHT_BYTES bounds it.",
+            &["topic"],
+        );
         let partitions_assigned = gauge_vec(
             "taskbroker_consumer_partitions_assigned",
             "Kafka partitions assigned to this broker, by consumed topic.",
@@ -485,6 +500,8 @@ impl Metrics {
             Box::new(consumer_records.clone()),
             Box::new(invalid_records.clone()),
             Box::new(ingest_dead_letters.clone()),
+            Box::new(dead_letters_truncated.clone()),
+            Box::new(inflight_bytes.clone()),
             Box::new(partitions_assigned.clone()),
             Box::new(consumer_assignments.clone()),
             Box::new(partitions_paused.clone()),
@@ -548,6 +565,8 @@ impl Metrics {
             consumer_records,
             invalid_records,
             ingest_dead_letters,
+            dead_letters_truncated,
+            inflight_bytes,
             partitions_assigned,
             consumer_assignments,
             partitions_paused,
@@ -590,6 +609,7 @@ impl Metrics {
             (&self.claims_released, RELEASE_REASONS),
             (&self.pushes, PUSH_RESULTS),
             (&self.ingest_dead_letters, PUBLISH_RESULTS),
+            (&self.dead_letters_truncated, DEAD_LETTER_KINDS),
             (&self.upkeep_transitions, UPKEEP_TRANSITIONS),
             (&self.upkeep_errors, UPKEEP_ERROR_STEPS),
             (&self.grpc_tls_reloads, TLS_RELOAD_RESULTS),
@@ -688,6 +708,7 @@ impl Metrics {
         self.partitions_paused.with_label_values(&[topic]);
         self.consumer_pending_records.with_label_values(&[topic]);
         self.consumer_assignments.with_label_values(&[topic]);
+        self.inflight_bytes.with_label_values(&[topic]);
     }
 
     /// Consumed records with `result`, every topic together.
@@ -895,7 +916,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 41, "{text}");
+        assert_eq!(families, 43, "{text}");
         assert!(text.contains("taskbroker_status_reports_total{status=\"invalid\"} 0"));
         assert!(text.contains("taskbroker_status_updates_total{result=\"missing\"} 0"));
         assert!(text.contains("taskbroker_status_updates_late_total 0"));

@@ -89,22 +89,27 @@ fn defaults_parse_to_the_documented_values() {
     assert_eq!(config.grpc_advertised_addr, None);
     assert_eq!(config.metrics_addr.to_string(), "0.0.0.0:9090");
     assert!(config.grpc_shared_secrets.is_empty());
-    assert_eq!(config.grpc_max_request_bytes, 4 * 1024 * 1024);
+    assert_eq!(config.grpc_max_request_bytes, 8 * 1024 * 1024 + 64 * 1024);
     assert_eq!(
         config.worker_endpoints.endpoints_for("anything"),
         Some(&["http://worker:50052".to_string()][..])
     );
     assert_eq!(config.fetch_actors, 2);
     assert_eq!(config.fetch_batch_size, 64);
+    assert_eq!(config.fetch_batch_bytes, 16 << 20);
     assert_eq!(config.fetch_backoff, Duration::from_millis(100));
     assert_eq!(config.push_concurrency, 64);
     assert_eq!(config.push_queue_size, 128);
+    assert_eq!(config.push_queue_bytes, 64 << 20);
     assert_eq!(config.push_queue_timeout, Duration::from_millis(2000));
     assert_eq!(config.push_timeout, Duration::from_millis(5000));
     assert_eq!(config.claim_lease_override, None);
     assert_eq!(config.insert_batch_size, 256);
+    assert_eq!(config.insert_batch_bytes, 16 << 20);
+    assert_eq!(config.max_activation_bytes, 8_388_608);
     assert_eq!(config.insert_batch_max_wait, Duration::ZERO);
     assert_eq!(config.max_inflight, 30_000);
+    assert_eq!(config.max_inflight_bytes, 2 << 30);
     assert_eq!(config.max_processing_attempts, 5);
     assert_eq!(config.processing_deadline_grace, Duration::from_secs(3));
     assert_eq!(config.max_delay, Duration::from_secs(3600));
@@ -754,6 +759,7 @@ fn distinct_value(index: usize, allowed: Allowed, default: &str) -> String {
         // timeout and the lease above its minimum.
         Allowed::Integer { min, max } => (min + 2 + i).min(max).to_string(),
         Allowed::PowerOfTwo { max, .. } => max.to_string(),
+        Allowed::Bytes { min, max } => (min.max(1024) * 2 + i).min(max).to_string(),
         Allowed::Millis { max, .. } | Allowed::Seconds { max, .. } => (max - i).to_string(),
         // The other value than the default.
         Allowed::Bool if default == "true" => "false".to_owned(),
@@ -1012,4 +1018,42 @@ fn the_retry_topic_may_never_be_a_raw_topic() {
         ("TASKBROKER_KAFKA_RETRY_TOPIC", "tasks-retry"),
         ("TASKBROKER_KAFKA_RAW_TOPICS", "events=app/ns/task"),
     ]);
+}
+
+/// Byte sizes take a whole number of bytes or a binary suffix; anything else
+/// is refused with a message naming the variable and what is allowed.
+#[test]
+fn byte_sizes_take_binary_suffixes_and_refuse_anything_else() {
+    for (raw, bytes) in [
+        ("268435456", 268_435_456u64),
+        ("256MiB", 256 << 20),
+        ("256 mib", 256 << 20),
+        ("2GiB", 2 << 30),
+        ("64KiB", 64 << 10),
+        ("0", 0),
+    ] {
+        let config = parse_ok(&[("TASKBROKER_MAX_INFLIGHT_BYTES", raw)]);
+        assert_eq!(config.max_inflight_bytes, bytes, "{raw}");
+    }
+    for raw in [
+        "256MB",
+        "1.5GiB",
+        "-1",
+        "GiB",
+        "99999999999999999999",
+        "2TiB",
+    ] {
+        let error = Config::from_lookup(|name| {
+            (name == "TASKBROKER_MAX_INFLIGHT_BYTES").then(|| raw.to_owned())
+        })
+        .expect_err(raw)
+        .to_string();
+        assert!(
+            error.contains("TASKBROKER_MAX_INFLIGHT_BYTES"),
+            "{raw}: {error}"
+        );
+        assert!(error.contains("`KiB`, `MiB` or `GiB`"), "{raw}: {error}");
+    }
+    let config = parse_ok(&[("TASKBROKER_MAX_ACTIVATION_BYTES", "6MiB")]);
+    assert_eq!(config.max_activation_bytes, 6 << 20);
 }

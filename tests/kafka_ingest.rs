@@ -10,12 +10,12 @@ use std::time::Duration;
 use actix::prelude::*;
 use common::kafka::{MockKafka, payload};
 use common::worker::{FakeWorker, Mode};
-use common::{Backend, TestStore, wait_until};
+use common::{Backend, TestStore, incompressible, wait_until};
 use prost::Message as _;
 use rdkafka::message::{Headers, Message as _};
 use taskbroker::actors::consumer::{
-    ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, StopConsuming,
-    dead_letter_cut,
+    ConsumerActor, ConsumerConfig, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
+    StopConsuming, dead_letter_cut,
 };
 use taskbroker::actors::fetch::FetchConfig;
 use taskbroker::actors::push_pool::PushPoolConfig;
@@ -23,7 +23,7 @@ use taskbroker::actors::upkeep::{UpkeepActor, UpkeepConfig};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
-use taskbroker::model::{ActivationStatus, PullFilter, StatusUpdate, WorkerStatus};
+use taskbroker::model::{ActivationStatus, BucketRange, PullFilter, StatusUpdate, WorkerStatus};
 use taskbroker::proto::{RetryState, TaskActivation};
 
 const TOPIC: &str = "tasks";
@@ -86,11 +86,6 @@ impl Harness {
         limit: u64,
         step: usize,
     ) -> u64 {
-        let client = self.db.client().await;
-        let drain = format!(
-            "DELETE FROM inflight_taskactivations WHERE id IN \
-             (SELECT id FROM inflight_taskactivations LIMIT {step})"
-        );
         let mut peak = 0;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         while metrics.consumed("stored") < records {
@@ -102,7 +97,14 @@ impl Harness {
             peak = peak.max(total);
             assert!(total <= limit, "{total} rows in the store, limit {limit}");
             if metrics.paused_partitions() > 0 {
-                client.execute(&drain, &[]).await.expect("drain rows");
+                // As workers would: claim some rows and finish them.
+                let claimed = self
+                    .store
+                    .claim_for_push(BucketRange::ALL, step, Duration::from_secs(60))
+                    .await
+                    .expect("claim rows to drain");
+                let ids: Vec<String> = claimed.into_iter().map(|c| c.token.id).collect();
+                self.store.delete_batch(&ids).await.expect("drain rows");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -296,29 +298,16 @@ async fn malformed_records_go_to_the_ingest_dlq_and_consumption_goes_on() {
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
     assert_eq!(dead.len(), 250);
     let mut by_reason: HashMap<String, usize> = HashMap::new();
-    // Records over MAX_ACTIVATION_BYTES are dead-lettered cut short, with
-    // their original size in a header.
-    let expected: HashSet<Vec<u8>> = bad
-        .iter()
-        .map(|(reason, bytes)| match *reason {
-            "too_large" => bytes[..dead_letter_cut(2048)].to_vec(),
-            _ => bytes.clone(),
-        })
-        .collect();
+    // Every dead letter is the record as read, those over
+    // MAX_ACTIVATION_BYTES included: nothing is cut unless Kafka refuses it.
+    let expected: HashSet<Vec<u8>> = bad.iter().map(|(_, bytes)| bytes.clone()).collect();
     for record in &dead {
         assert!(expected.contains(&payload(record)), "original bytes kept");
         let reason = header(record, REASON_HEADER).expect("reason header");
-        if reason == "too_large" {
-            let original: usize = header(record, ORIGINAL_BYTES_HEADER)
-                .expect("original size header")
-                .parse()
-                .expect("a size");
-            assert!(original > 4096, "{original}");
-        } else {
-            assert_eq!(header(record, ORIGINAL_BYTES_HEADER), None);
-        }
+        assert_eq!(header(record, ORIGINAL_BYTES_HEADER), None);
         *by_reason.entry(reason).or_default() += 1;
     }
+    assert_eq!(Metrics::count(&metrics.dead_letters_truncated, "ingest"), 0);
     assert!(by_reason.values().all(|&n| n == 50), "{by_reason:?}");
 
     // The partitions did not stall: later records still arrive.
@@ -351,6 +340,41 @@ async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
     assert!(peak >= 1_000, "the limit was reached ({peak})");
     assert_eq!(metrics.consumed("duplicate"), 0);
 }
+
+/// MAX_INFLIGHT_BYTES: the consumer pauses once its topic's stored bytes
+/// reach the bound, and resumes once they drop below 90 % of it; the store
+/// never holds more than the bound plus one insert batch. Every record is
+/// the same size, so the rows the store holds measure its bytes.
+async fn backpressure_pauses_at_max_inflight_bytes_and_resumes_when_bytes_drain(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let mut config = harness.consumer_config();
+    let records: Vec<Vec<u8>> = (0..200)
+        .map(|i| {
+            let mut task = activation(format!("bytes-{i:03}"));
+            task.parameters_bytes = incompressible(64 << 10);
+            task.encode_to_vec()
+        })
+        .collect();
+    let size = records[0].len() as u64;
+    assert!(records.iter().all(|record| record.len() as u64 == size));
+    config.max_inflight_bytes = 2 << 20;
+    config.batch_size = 8;
+    let bound = config.max_inflight_bytes / size + config.batch_size as u64;
+    harness.kafka.produce(TOPIC, &records).await;
+    let (_consumer, metrics) = harness.consume(config);
+
+    wait_until_paused(&metrics).await;
+    let shown = metrics.inflight_bytes.with_label_values(&[TOPIC]).get() as u64;
+    assert!(shown >= 2 << 20, "taskbroker_inflight_bytes shows {shown}");
+    let peak = harness.drain_until_stored(&metrics, 200, bound, 8).await;
+    assert!(
+        peak * size >= 2 << 20,
+        "the bound was reached ({peak} rows)"
+    );
+    assert_eq!(metrics.consumed("duplicate"), 0);
+}
+
+on_both_backends!(backpressure_pauses_at_max_inflight_bytes_and_resumes_when_bytes_drain);
 
 #[actix_rt::test]
 async fn activations_expired_on_arrival_are_dropped_and_delayed_ones_wait() {
@@ -869,42 +893,145 @@ on_both_backends!(
     rows_the_store_refuses_are_isolated_and_dead_lettered,
 );
 
-/// Records above librdkafka's default `message.max.bytes` (1,000,000) reach
-/// the ingest DLQ: whole when within MAX_ACTIVATION_BYTES, cut 4 KiB below
-/// it (with the original size in a header) when larger.
+/// A record over MAX_ACTIVATION_BYTES (a 9 MiB activation against the
+/// 8 MiB default) reaches the ingest DLQ whole, byte-identical, before its
+/// offset is committed.
 #[actix_rt::test]
-async fn large_invalid_records_reach_the_ingest_dlq_before_their_offsets_are_committed() {
+async fn a_record_over_the_limit_reaches_the_ingest_dlq_whole_before_its_offset_is_committed() {
     let harness = Harness::new().await;
-    let config = harness.consumer_config();
-    assert_eq!(config.max_activation_bytes, 1 << 20);
-    let undecodable = vec![0xff; 1_040_000]; // under MAX_ACTIVATION_BYTES
-    let mut oversized = activation("oversized".to_owned());
-    oversized.parameters_bytes = vec![7; 1_200_000];
-    let oversized = oversized.encode_to_vec();
+    let config = over_limit_consumer_config(&harness);
+    assert_eq!(config.max_activation_bytes, 8 << 20);
+    let oversized = incompressible_activation("oversized", 9 << 20);
     harness
         .kafka
-        .produce(
-            TOPIC,
-            &mixed_with(&[undecodable.clone(), oversized.clone()], "big", 20),
-        )
+        .produce_to(TOPIC, BIG_PARTITION, &oversized)
         .await;
+    produce_beside_the_big_one(&harness, "big", 20).await;
     let (_consumer, metrics) = harness.consume(config);
     harness.wait_for_total(20).await;
     wait_for_commits_to_the_end(&harness).await;
-    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 2);
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 1);
     assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "error"), 0);
+    assert_eq!(Metrics::count(&metrics.dead_letters_truncated, "ingest"), 0);
     let dead = harness.kafka.read_all(INGEST_DLQ, 1);
-    let by_reason: HashMap<String, &rdkafka::message::OwnedMessage> = dead
-        .iter()
-        .map(|record| (header(record, REASON_HEADER).expect("reason"), record))
-        .collect();
-    assert_eq!(payload(by_reason["undecodable"]), undecodable);
-    let cut = by_reason["too_large"];
-    assert_eq!(payload(cut), oversized[..(1 << 20) - 4096].to_vec());
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        header(&dead[0], REASON_HEADER).as_deref(),
+        Some("too_large")
+    );
+    assert!(
+        payload(&dead[0]) == oversized,
+        "the 9 MiB record is kept whole"
+    );
+    assert_eq!(header(&dead[0], ORIGINAL_BYTES_HEADER), None);
+}
+
+/// When Kafka itself refuses an ingest dead letter as too large, it is cut
+/// short (the original size in a header), counted, and written; the
+/// record's offset is committed only after the cut record is acknowledged,
+/// so a cut record that cannot be written yet holds the partition.
+#[actix_rt::test]
+async fn a_dead_letter_kafka_refuses_as_too_large_is_cut_counted_and_committed_after_it() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let harness = Harness::new().await;
+    let config = over_limit_consumer_config(&harness);
+    let oversized = incompressible_activation("refused", 9 << 20);
+    harness
+        .kafka
+        .produce_to(TOPIC, BIG_PARTITION, &oversized)
+        .await;
+    produce_beside_the_big_one(&harness, "refused", 20).await;
+    // The next produce request (the whole dead letter) is refused as too
+    // large, as a topic with a smaller max.message.bytes answers; the cut
+    // record's first writes then fail (not retried inside librdkafka).
+    let mut errors = vec![RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE];
+    errors.extend([RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 3]);
+    harness
+        .kafka
+        .cluster
+        .request_errors(RDKafkaApiKey::Produce, &errors);
+    let (_consumer, metrics) = harness.consume(config);
+    let watched = Arc::clone(&metrics);
+    wait_until(
+        "the dead letter was cut and its first write failed",
+        Duration::from_secs(30),
+        || {
+            let cut = Metrics::count(&watched.dead_letters_truncated, "ingest");
+            let failed = Metrics::count(&watched.ingest_dead_letters, "error");
+            async move { cut == 1 && failed >= 1 }
+        },
+    )
+    .await;
+    let record = harness
+        .kafka
+        .read_all(TOPIC, PARTITIONS)
+        .into_iter()
+        .find(|record| payload(record) == oversized)
+        .expect("the oversized record is on the topic");
+    let committed = harness.kafka.committed("taskbroker", TOPIC, PARTITIONS);
+    assert!(
+        committed[record.partition() as usize] <= record.offset(),
+        "committed {committed:?} past the record at {}/{} before its dead letter was written",
+        record.partition(),
+        record.offset()
+    );
+    wait_for_commits_to_the_end(&harness).await;
+    assert_eq!(Metrics::count(&metrics.dead_letters_truncated, "ingest"), 1);
+    assert_eq!(Metrics::count(&metrics.ingest_dead_letters, "ok"), 1);
+    let dead = harness.kafka.read_all(INGEST_DLQ, 1);
+    assert_eq!(dead.len(), 1);
+    let cut = &dead[0];
+    assert!(payload(cut) == oversized[..dead_letter_cut(8 << 20)]);
     assert_eq!(
         header(cut, ORIGINAL_BYTES_HEADER),
         Some(oversized.len().to_string())
     );
+    assert_eq!(
+        header(cut, SOURCE_HEADER),
+        Some(format!(
+            "{TOPIC}/{}/{}",
+            record.partition(),
+            record.offset()
+        ))
+    );
+    harness.wait_for_total(20).await;
+}
+
+/// The partition the tests of records over 5 MiB keep for the big record
+/// alone (see `MockKafka::produce_to`).
+const BIG_PARTITION: i32 = 3;
+
+/// Produces `n` valid records to every partition but [`BIG_PARTITION`].
+async fn produce_beside_the_big_one(harness: &Harness, prefix: &str, n: usize) {
+    for (i, record) in valid_payloads(prefix, n).iter().enumerate() {
+        let partition = (i as i32) % BIG_PARTITION;
+        harness.kafka.produce_to(TOPIC, partition, record).await;
+    }
+}
+
+/// The consumer's settings for reading records over MAX_ACTIVATION_BYTES
+/// from the mock cluster: unlike Kafka (KIP-74), it returns nothing for a
+/// batch larger than the partition's fetch size, which the consumer sizes
+/// for the largest valid activation.
+fn over_limit_consumer_config(harness: &Harness) -> ConsumerConfig {
+    let mut config = harness.consumer_config();
+    config
+        .kafka
+        .properties
+        .push(("fetch.message.max.bytes".to_owned(), (16 << 20).to_string()));
+    config
+        .kafka
+        .properties
+        .push(("fetch.max.bytes".to_owned(), (16 << 20).to_string()));
+    config
+}
+
+/// An encoded activation of about `bytes` bytes whose parameters do not
+/// compress.
+fn incompressible_activation(id: &str, bytes: usize) -> Vec<u8> {
+    let mut activation = activation(id.to_owned());
+    activation.parameters_bytes = incompressible(bytes);
+    activation.encode_to_vec()
 }
 
 /// While the ingest DLQ refuses writes, no offset moves past the invalid

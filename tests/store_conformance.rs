@@ -94,6 +94,7 @@ conformance!(
     upkeep_statements_respect_their_limit,
     counts_by_status,
     inflight_rows_are_counted_per_topic,
+    stored_bytes_are_summed_per_topic_through_inserts_and_every_kind_of_removal,
     max_pending_lag_is_delay_adjusted_and_first_attempt_only,
     batch_operations_take_ids_with_quotes_backslashes_and_control_characters,
     failed_claims_become_failure_with_the_attempt_consumed,
@@ -1230,6 +1231,65 @@ async fn inflight_rows_are_counted_per_topic(store: Store) {
     let mut counts = store.count_inflight_by_topic().await.unwrap();
     counts.sort();
     assert_eq!(counts, vec![("main".to_owned(), 3), ("side".to_owned(), 1)]);
+}
+
+/// The byte bound's figure: the bytes of every stored activation per topic,
+/// kept exact through inserts (duplicates add nothing), a completion that
+/// removes its row at once, upkeep's removals and deletes by id.
+async fn stored_bytes_are_summed_per_topic_through_inserts_and_every_kind_of_removal(store: Store) {
+    assert!(store.inflight_bytes_by_topic().await.unwrap().is_empty());
+    let sized = |id: &str, topic: &str, bytes: usize| {
+        let mut row = row(id);
+        row.topic = topic.to_owned();
+        row.activation = vec![7; bytes];
+        row
+    };
+    let sums = || async {
+        let mut sums = store.inflight_bytes_by_topic().await.unwrap();
+        sums.retain(|(_, bytes)| *bytes > 0);
+        sums.sort();
+        sums
+    };
+    insert(
+        store.as_ref(),
+        &[
+            sized("a1", "main", 1000),
+            sized("a2", "main", 20_000),
+            sized("a3", "main", 300_000),
+            sized("b1", "side", 4_000_000),
+        ],
+    )
+    .await;
+    // A duplicate id stores nothing and adds nothing.
+    insert(store.as_ref(), &[sized("a1", "main", 55)]).await;
+    assert_eq!(
+        sums().await,
+        vec![("main".to_owned(), 321_000), ("side".to_owned(), 4_000_000)]
+    );
+    // A worker's COMPLETE removes the row at once.
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, 10, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 4);
+    store
+        .set_status(&[StatusUpdate::new("a3", WorkerStatus::Complete)])
+        .await
+        .unwrap();
+    store.delete_batch(&["b1".to_owned()]).await.unwrap();
+    assert_eq!(sums().await, vec![("main".to_owned(), 21_000)]);
+    // Finished rows count until upkeep removes them.
+    insert(
+        store.as_ref(),
+        &[with_status(
+            sized("c1", "main", 500),
+            ActivationStatus::Complete,
+        )],
+    )
+    .await;
+    assert_eq!(sums().await, vec![("main".to_owned(), 21_500)]);
+    store.remove_completed(100).await.unwrap();
+    assert_eq!(sums().await, vec![("main".to_owned(), 21_000)]);
 }
 
 async fn max_pending_lag_is_delay_adjusted_and_first_attempt_only(store: Store) {

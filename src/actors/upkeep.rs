@@ -57,7 +57,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::FutureRecord;
 use tokio::time::Instant;
 
@@ -75,10 +74,15 @@ use super::store::{
     RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage,
     TakeDemoted, TakeForPublish,
 };
-use crate::kafka::{KafkaSettings, Producer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+
+use crate::kafka::cut::{ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER, next_cut};
+use crate::kafka::{KafkaSettings, Producer, refused_as_too_large};
 use crate::metrics::Metrics;
 use crate::model::{
-    ActivationStatus, DeadlineOutcome, NamespaceCount, PublishKind, StatusCounts, top_namespaces,
+    ActivationStatus, DeadlineOutcome, InflightActivation, NamespaceCount, PublishKind,
+    StatusCounts, top_namespaces,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::StoreResult;
@@ -572,14 +576,21 @@ impl Cycle {
         }
         let count = u64::try_from(taken.len()).unwrap_or(u64::MAX);
         let now = chrono::Utc::now();
-        let deliveries = taken.into_iter().map(|row| {
+        let deliveries = taken.into_iter().map(|mut row| {
             let producer = producer.clone();
             let metrics = Arc::clone(&self.metrics);
             let timeout = self.config.delivery_timeout;
+            let cutter = CutDeadLetter {
+                producer: self.producers.dead_letter.clone(),
+                topic: &self.config.dlq_topic,
+                max_activation_bytes: self.config.kafka.max_activation_bytes,
+                timeout,
+                metrics: Arc::clone(&self.metrics),
+            };
             async move {
                 let (key, payload) = match kind {
                     // Dead letters keep the original activation, id and bytes.
-                    PublishKind::DeadLetter => (row.id.clone(), row.activation),
+                    PublishKind::DeadLetter => (row.id.clone(), std::mem::take(&mut row.activation)),
                     PublishKind::Retry => match row.retry_activation(now) {
                         Ok(retry) => retry,
                         Err(err) => {
@@ -603,20 +614,30 @@ impl Cycle {
                         metrics.published.with_label_values(&[label, "ok"]).inc();
                         Delivery::Done(row.id)
                     }
-                    // Kafka will never take this record: publishing it
-                    // again every lease would loop forever. Give it up:
-                    // a retry that cannot be written fails the task, a dead
-                    // letter that cannot be written is dropped.
-                    Err((err, _)) if too_large(&err) => {
+                    // Kafka will never take this record whole: publishing it
+                    // again every lease would loop forever. The task's
+                    // stored activation goes to the dead-letter topic
+                    // instead (a retry that cannot be written ends the
+                    // task), cut short only as far as Kafka makes it; the
+                    // row completes once that is acknowledged.
+                    Err((err, _)) if refused_as_too_large(&err) => {
                         metrics
                             .published
                             .with_label_values(&[label, "too_large"])
                             .inc();
-                        tracing::error!(activation_id = %row.id, bytes = payload.len(),
-                            topic = %topic, kind = label,
-                            "record too large for Kafka; giving it up \
-                             (a retry fails the task, a dead letter is dropped)");
-                        Delivery::Done(row.id)
+                        let whole = match kind {
+                            PublishKind::Retry => Some(std::mem::take(&mut row.activation)),
+                            PublishKind::DeadLetter => None,
+                        };
+                        match cutter.send(&row, whole, payload).await {
+                            Ok(()) => Delivery::Done(row.id),
+                            Err(err) => {
+                                crate::warn_throttled!(activation_id = %row.id, error = %err, topic = %topic,
+                                    "dead letter of a record Kafka refused as too large not acknowledged; \
+                                     the row stays and is published later");
+                                Delivery::Failed
+                            }
+                        }
                     }
                     Err((err, _)) => {
                         metrics.published.with_label_values(&[label, "error"]).inc();
@@ -798,10 +819,78 @@ enum Delivery {
     Failed,
 }
 
-/// Whether Kafka refused a record for its size: librdkafka's own check
-/// against the producer's `message.max.bytes`, or the broker's answer.
-fn too_large(err: &KafkaError) -> bool {
-    err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
+/// Writes a task's dead letter after Kafka refused a record of it as too
+/// large: the stored activation whole first when `whole` is given (a retry
+/// was refused), then cut short ([`next_cut`]) until Kafka takes it, with
+/// headers naming the task's source position and its original size.
+struct CutDeadLetter<'a> {
+    producer: Producer,
+    topic: &'a str,
+    max_activation_bytes: usize,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl CutDeadLetter<'_> {
+    async fn send(
+        &self,
+        row: &InflightActivation,
+        whole: Option<Vec<u8>>,
+        refused: Vec<u8>,
+    ) -> Result<(), KafkaError> {
+        let timeout = rdkafka::util::Timeout::After(self.timeout);
+        let mut payload = match whole {
+            Some(whole) => {
+                let record = FutureRecord::to(self.topic).key(&row.id).payload(&whole);
+                match self.producer.send(record, timeout).await {
+                    Ok(_) => return Ok(()),
+                    Err((err, _)) if refused_as_too_large(&err) => whole,
+                    Err((err, _)) => return Err(err),
+                }
+            }
+            None => refused,
+        };
+        let original = payload.len().to_string();
+        let source = format!("{}/{}/{}", row.topic, row.partition, row.kafka_offset);
+        self.metrics
+            .dead_letters_truncated
+            .with_label_values(&["deadletter"])
+            .inc();
+        tracing::warn!(activation_id = %row.id, topic = %row.topic, partition = row.partition,
+            offset = row.kafka_offset, bytes = payload.len(), dlq = %self.topic,
+            "Kafka refused the task's dead letter as too large; sending it cut short \
+             (the whole activation stays in the source topic at this offset until its retention)");
+        loop {
+            let Some(size) = next_cut(payload.len(), self.max_activation_bytes) else {
+                return Err(KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
+                ));
+            };
+            payload.truncate(size);
+            let headers = OwnedHeaders::new()
+                .insert(Header {
+                    key: REASON_HEADER,
+                    value: Some("too_large"),
+                })
+                .insert(Header {
+                    key: SOURCE_HEADER,
+                    value: Some(source.as_str()),
+                })
+                .insert(Header {
+                    key: ORIGINAL_BYTES_HEADER,
+                    value: Some(original.as_str()),
+                });
+            let record = FutureRecord::to(self.topic)
+                .key(&row.id)
+                .payload(&payload)
+                .headers(headers);
+            match self.producer.send(record, timeout).await {
+                Ok(_) => return Ok(()),
+                Err((err, _)) if refused_as_too_large(&err) => continue,
+                Err((err, _)) => return Err(err),
+            }
+        }
+    }
 }
 
 /// The step forwarding demoted namespaces' rows (metrics, logs).

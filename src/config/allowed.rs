@@ -50,6 +50,9 @@ pub enum Allowed {
     Integer { min: u64, max: u64 },
     /// A power of two in `min..=max`.
     PowerOfTwo { min: u64, max: u64 },
+    /// A size in bytes in `min..=max`: a whole number, optionally followed by
+    /// `KiB`, `MiB` or `GiB` (powers of 1024).
+    Bytes { min: u64, max: u64 },
     /// A whole number of milliseconds in `min..=max`.
     Millis { min: u64, max: u64 },
     /// A whole number of seconds in `min..=max`.
@@ -96,6 +99,9 @@ impl Allowed {
             Allowed::PowerOfTwo { min, max } => {
                 format!("a power of two between {min} and {max}")
             }
+            Allowed::Bytes { min, max } => format!(
+                "a size in bytes from {min} to {max}, optionally with a `KiB`, `MiB` or `GiB` suffix"
+            ),
             Allowed::Millis { min, max } => {
                 format!("a whole number of milliseconds from {min} to {max}")
             }
@@ -159,6 +165,10 @@ impl Allowed {
         };
         match *self {
             Allowed::Integer { min, max } => in_range(min, max).map(Value::Int),
+            Allowed::Bytes { min, max } => parse_bytes(raw)
+                .filter(|n| (min..=max).contains(n))
+                .map(Value::Int)
+                .ok_or(None),
             Allowed::PowerOfTwo { min, max } => in_range(min, max)
                 .and_then(|n| {
                     if n.is_power_of_two() {
@@ -392,4 +402,19 @@ fn code_list(words: &[&str], suffix: &str, separator: &str) -> String {
         .map(|word| format!("`{word}{suffix}`"))
         .collect::<Vec<_>>()
         .join(separator)
+}
+
+/// `4096`, `256MiB`, `2 GiB` (suffixes are powers of 1024, ASCII case ignored).
+fn parse_bytes(raw: &str) -> Option<u64> {
+    let digits = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (number, unit) = raw.split_at(digits);
+    let number: u64 = number.parse().ok()?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        _ => return None,
+    };
+    number.checked_mul(scale)
 }

@@ -64,6 +64,7 @@ macro_rules! from_value {
 from_value! {
     u32 { Value::Int(n) => u32::try_from(n).ok() }
     usize { Value::Int(n) => usize::try_from(n).ok() }
+    u64 { Value::Int(n) => Some(n) }
     Duration { Value::Duration(duration) => Some(duration) }
     bool { Value::Bool(flag) => Some(flag) }
     String { Value::Text(text) => Some(text) }

@@ -240,11 +240,11 @@ settings! {
         description: "Request-signing secrets: a request signed with any of them is accepted, pushes are signed with the first; unset = signing off.",
     },
     grpc_max_request_bytes: usize = GRPC_MAX_REQUEST_BYTES {
-        default: "4194304",
-        allowed: Allowed::Integer { min: 1024, max: 268_435_456 },
+        default: "8454144",
+        allowed: Allowed::Bytes { min: 1024, max: 268_435_456 },
         secret: false,
         render: text,
-        description: "Largest gRPC request message the broker accepts.",
+        description: "Largest gRPC request message the broker accepts (8 MiB + 64 KiB: a request carrying a task of `MAX_ACTIVATION_BYTES`). Responses are not limited: `GetTask` sends tasks of any stored size, and the worker's own receive limit must take them (docs/operations.md, \"Task sizes\").",
     },
     worker_endpoints: WorkerEndpoints = WORKER_ENDPOINTS {
         default: "",
@@ -302,6 +302,13 @@ settings! {
         render: text,
         description: "Most Pending activations a FetchActor claims in one statement.",
     },
+    fetch_batch_bytes: usize = FETCH_BATCH_BYTES {
+        default: "16777216",
+        allowed: Allowed::Bytes { min: 1024, max: 1_073_741_824 },
+        secret: false,
+        render: text,
+        description: "Most activation bytes a FetchActor claims in one statement: the claim stops adding rows (oldest first) once their bytes reach this, and always takes at least one, so a FetchActor holds at most this plus one task.",
+    },
     fair_dispatch: bool = FAIR_DISPATCH {
         default: "true",
         allowed: Allowed::Bool,
@@ -329,6 +336,13 @@ settings! {
         secret: false,
         render: text,
         description: "Mailbox capacity of the push pool: activations waiting for a push slot.",
+    },
+    push_queue_bytes: usize = PUSH_QUEUE_BYTES {
+        default: "67108864",
+        allowed: Allowed::Bytes { min: 1024, max: 17_179_869_184 },
+        secret: false,
+        render: text,
+        description: "Most activation bytes in the push pool (64 MiB): waiting in its mailbox and being pushed, together. A FetchActor whose next task would pass it waits as on a full mailbox (`PUSH_QUEUE_TIMEOUT_MS`, then the release); a pool holding nothing always takes one task, whatever its size.",
     },
     push_queue_timeout: Duration = PUSH_QUEUE_TIMEOUT_MS {
         default: "2000",
@@ -359,6 +373,13 @@ settings! {
         render: text,
         description: "Most consumed activations written in one insert statement.",
     },
+    insert_batch_bytes: usize = INSERT_BATCH_BYTES {
+        default: "16777216",
+        allowed: Allowed::Bytes { min: 1024, max: 1_073_741_824 },
+        secret: false,
+        render: text,
+        description: "Most record bytes a consumer collects before it writes the batch: a batch is written once it holds `INSERT_BATCH_SIZE` records or this many bytes, so it holds at most this plus one record.",
+    },
     insert_batch_max_wait: Duration = INSERT_BATCH_MAX_MS {
         default: "0",
         allowed: Allowed::Millis { min: 0, max: 10_000 },
@@ -367,11 +388,11 @@ settings! {
         description: "Longest a partial insert batch waits for more records. 0: it is written as soon as Kafka has no more records ready, so batches grow with the load (one record at a trickle, up to `INSERT_BATCH_SIZE` when records pile up while the previous insert runs) and a record waits for no timer; a positive value trades that latency for fewer, fuller inserts at low rates.",
     },
     max_activation_bytes: usize = MAX_ACTIVATION_BYTES {
-        default: "1048576",
-        allowed: Allowed::Integer { min: 1024, max: 67_108_864 },
+        default: "8388608",
+        allowed: Allowed::Bytes { min: 1024, max: 67_108_864 },
         secret: false,
         render: text,
-        description: "Largest TaskActivation record accepted from Kafka; larger ones go to the ingest dead-letter topic, cut 4 KiB below this size. Every producer accepts records of this size plus 64 KiB (`message.max.bytes`) unless `KAFKA_CONFIG` sets it.",
+        description: "Largest TaskActivation record accepted from Kafka (8 MiB); larger ones go whole to the ingest dead-letter topic. Retry and dead-letter producers accept records of this size plus 64 KiB (`message.max.bytes`), the ingest dead-letter producer any record a consumer can read, unless `KAFKA_CONFIG` sets it; topics and workers must take this size too (docs/operations.md, \"Task sizes\").",
     },
     max_inflight: usize = MAX_INFLIGHT {
         default: "30000",
@@ -379,6 +400,13 @@ settings! {
         secret: false,
         render: text,
         description: "High watermark of rows in the store; above it the consumer pauses its partitions. A few seconds of delivery is enough: a larger table only makes tasks wait in it instead of in Kafka (see BENCHMARKS.md, issue 16).",
+    },
+    max_inflight_bytes: u64 = MAX_INFLIGHT_BYTES {
+        default: "2147483648",
+        allowed: Allowed::Bytes { min: 0, max: 1_099_511_627_776 },
+        secret: false,
+        render: text,
+        description: "High watermark of activation bytes the store holds per consumed topic (2 GiB; every status until upkeep removes the row): at or above it the topic's consumer pauses its partitions, below 90 % of it it resumes, as with `MAX_INFLIGHT`. 0 turns the byte bound off.",
     },
     max_processing_attempts: u32 = MAX_PROCESSING_ATTEMPTS {
         default: "5",

@@ -25,9 +25,16 @@
 //! `KAFKA_CONFIG` sets `session.timeout.ms` or `heartbeat.interval.ms`.
 //!
 //! Producers are sized for the records they carry: librdkafka's default
-//! `message.max.bytes` (1,000,000) is below the default `MAX_ACTIVATION_BYTES`
-//! (1 MiB), and a record it refuses is never written.
+//! `message.max.bytes` (1,000,000) is far below the default
+//! `MAX_ACTIVATION_BYTES` (8 MiB), and a record it refuses is never written.
+//! The ingest dead-letter producer carries records over that limit too (a
+//! dead letter keeps the whole record), so it is sized for the largest
+//! record a consumer can fetch. Producers compress (`lz4`) unless
+//! `KAFKA_CONFIG` chooses a codec: a Kafka broker checks a topic's
+//! `max.message.bytes` against the compressed batch, so compression is what
+//! lets a large but compressible record in.
 
+pub mod cut;
 pub mod raw;
 
 use std::sync::Mutex;
@@ -74,6 +81,17 @@ pub const CONSUMER_STATISTICS_INTERVAL_MS: u32 = 5_000;
 /// Room on top of an activation for a record's key, headers (the ingest
 /// dead-letter headers carry an error message) and protocol framing.
 pub const PRODUCER_HEADROOM_BYTES: usize = 64 * 1024;
+
+/// librdkafka's default `receive.message.max.bytes`: a fetch response, and so
+/// any one record a consumer reads, is at most this large unless
+/// `KAFKA_CONFIG` raises it.
+pub const DEFAULT_RECEIVE_MAX_BYTES: usize = 100_000_000;
+
+/// The most librdkafka allows for `message.max.bytes`.
+const LIBRDKAFKA_MAX_MESSAGE_BYTES: usize = 1_000_000_000;
+
+/// The codec producers use unless `KAFKA_CONFIG` names one.
+pub const PRODUCER_COMPRESSION: &str = "lz4";
 
 impl KafkaSettings {
     pub fn from_config(config: &Config) -> Self {
@@ -140,6 +158,14 @@ impl KafkaSettings {
                 "queued.max.messages.kbytes",
                 CONSUMER_PREFETCH_KIB.to_string(),
             ),
+            // A whole activation of MAX_ACTIVATION_BYTES in one partition
+            // fetch (librdkafka's default is 1 MiB). Kafka returns a larger
+            // batch anyway (KIP-74), but clusters that do not (librdkafka's
+            // mock cluster among them) would stall on it.
+            (
+                "fetch.message.max.bytes",
+                self.max_producer_record_bytes().to_string(),
+            ),
             (
                 "session.timeout.ms",
                 CONSUMER_SESSION_TIMEOUT_MS.to_string(),
@@ -166,6 +192,17 @@ impl KafkaSettings {
     /// `MAX_ACTIVATION_BYTES` plus [`PRODUCER_HEADROOM_BYTES`], unless
     /// `KAFKA_CONFIG` sets `message.max.bytes` itself.
     pub fn producer(&self, delivery_timeout: Duration) -> ClientConfig {
+        self.producer_for(delivery_timeout, self.max_producer_record_bytes())
+    }
+
+    /// A producer as [`KafkaSettings::producer`] whose `message.max.bytes`
+    /// is `max_record_bytes` (capped at librdkafka's ceiling) unless
+    /// `KAFKA_CONFIG` sets it.
+    pub fn producer_for(
+        &self,
+        delivery_timeout: Duration,
+        max_record_bytes: usize,
+    ) -> ClientConfig {
         let mut client = self.base();
         client
             .set(
@@ -173,15 +210,18 @@ impl KafkaSettings {
                 delivery_timeout.as_millis().to_string(),
             )
             .set("acks", "all");
-        if !self
-            .properties
-            .iter()
-            .any(|(key, _)| key == "message.max.bytes")
-        {
+        if self.property("message.max.bytes").is_none() {
             client.set(
                 "message.max.bytes",
-                self.max_producer_record_bytes().to_string(),
+                max_record_bytes
+                    .min(LIBRDKAFKA_MAX_MESSAGE_BYTES)
+                    .to_string(),
             );
+        }
+        if self.property("compression.type").is_none()
+            && self.property("compression.codec").is_none()
+        {
+            client.set("compression.type", PRODUCER_COMPRESSION);
         }
         client
     }
@@ -192,6 +232,21 @@ impl KafkaSettings {
         self.max_activation_bytes
             .saturating_add(PRODUCER_HEADROOM_BYTES)
     }
+
+    /// The largest record a consumer with these settings can read: a whole
+    /// fetch response must fit in `receive.message.max.bytes`.
+    pub fn max_fetched_record_bytes(&self) -> usize {
+        self.property("receive.message.max.bytes")
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(DEFAULT_RECEIVE_MAX_BYTES)
+    }
+}
+
+/// Whether Kafka refused a record for its size: librdkafka's own check
+/// against the producer's `message.max.bytes`, or the Kafka broker's answer
+/// (the topic's `max.message.bytes`). Never worth retrying as it is.
+pub fn refused_as_too_large(err: &KafkaError) -> bool {
+    err.rdkafka_error_code() == Some(rdkafka::error::RDKafkaErrorCode::MessageSizeTooLarge)
 }
 
 /// How often the same client logs Kafka errors at most. While a broker is
@@ -237,6 +292,17 @@ pub type Producer = FutureProducer<ThrottledLog>;
 impl KafkaSettings {
     pub fn create_producer(&self, delivery_timeout: Duration) -> Result<Producer, KafkaError> {
         self.producer(delivery_timeout)
+            .create_with_context(ThrottledLog::default())
+    }
+
+    /// A producer for records of up to `max_record_bytes` (see
+    /// [`KafkaSettings::producer_for`]).
+    pub fn create_producer_for(
+        &self,
+        delivery_timeout: Duration,
+        max_record_bytes: usize,
+    ) -> Result<Producer, KafkaError> {
+        self.producer_for(delivery_timeout, max_record_bytes)
             .create_with_context(ThrottledLog::default())
     }
 }
@@ -293,6 +359,55 @@ mod tests {
             let consumer = settings(plaintext).consumer("g", "earliest");
             assert_eq!(consumer.get("ssl.ca.location"), None);
         }
+    }
+
+    #[test]
+    fn consumers_fetch_whole_activations_of_every_allowed_size() {
+        for max_activation_bytes in [1024, 8 << 20, 64 << 20] {
+            let mut settings = settings(&[]);
+            settings.max_activation_bytes = max_activation_bytes;
+            let consumer = settings.consumer("g", "earliest");
+            assert_eq!(
+                consumer.get("fetch.message.max.bytes"),
+                Some(
+                    (max_activation_bytes + PRODUCER_HEADROOM_BYTES)
+                        .to_string()
+                        .as_str()
+                )
+            );
+            if let Err(err) = consumer.create::<rdkafka::consumer::BaseConsumer>() {
+                panic!("{max_activation_bytes}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn producers_compress_and_the_ingest_dlq_producer_takes_any_record_a_consumer_reads() {
+        let settings = settings(&[]);
+        let producer = settings.producer(Duration::from_secs(5));
+        assert_eq!(producer.get("compression.type"), Some(PRODUCER_COMPRESSION));
+        let own = settings_with_codec();
+        assert_eq!(own.get("compression.type"), None);
+        assert_eq!(own.get("compression.codec"), Some("zstd"));
+        let largest = settings.max_fetched_record_bytes() + PRODUCER_HEADROOM_BYTES;
+        assert_eq!(largest, DEFAULT_RECEIVE_MAX_BYTES + PRODUCER_HEADROOM_BYTES);
+        let dlq = settings.producer_for(Duration::from_secs(5), largest);
+        assert_eq!(
+            dlq.get("message.max.bytes"),
+            Some(largest.to_string().as_str())
+        );
+        if let Err(err) = settings.create_producer_for(Duration::from_secs(5), largest) {
+            panic!("librdkafka refuses the ingest DLQ producer: {err}");
+        }
+        let raised = KafkaSettings {
+            properties: vec![("receive.message.max.bytes".into(), "200000000".into())],
+            ..settings
+        };
+        assert_eq!(raised.max_fetched_record_bytes(), 200_000_000);
+    }
+
+    fn settings_with_codec() -> ClientConfig {
+        settings(&[("compression.codec", "zstd")]).producer(Duration::from_secs(5))
     }
 
     #[test]

@@ -78,6 +78,9 @@ pub const PUBLISH_RESULTS: &[&str] = &["ok", "error"];
 /// The `result` of `taskbroker_published_total`: a record Kafka refuses
 /// as too large is given up (the row completed), not retried.
 pub const PUBLISHED_RESULTS: &[&str] = &["ok", "error", "too_large"];
+/// `taskbroker_dead_letters_truncated_total{kind}`: an ingest dead letter
+/// (ConsumerActor) or a task's dead letter (upkeep).
+pub const DEAD_LETTER_KINDS: &[&str] = &["ingest", "deadletter"];
 /// The `kind` of `taskbroker_published_total`.
 pub const PUBLISH_KINDS: &[&str] = &["retry", "deadletter"];
 /// `taskbroker_upkeep_step_duration_seconds{step}` and
@@ -168,6 +171,7 @@ pub const STORE_OPERATIONS: &[&str] = &[
     "count_by_status",
     "count_by_namespace",
     "count_inflight_by_topic",
+    "inflight_bytes_by_topic",
     "has_rows",
     "max_pending_lag",
     "ping",

@@ -458,6 +458,12 @@ pub trait ActivationStore: Membership {
     /// they were consumed from: each topic's consumer pauses on its own count.
     async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>>;
 
+    /// Bytes of the activations the table holds (every status) per Kafka
+    /// topic: each topic's consumer pauses on its own sum
+    /// (`MAX_INFLIGHT_BYTES`). Kept with every insert and delete by the
+    /// store's triggers (migration V5), so reading it never scans the table.
+    async fn inflight_bytes_by_topic(&self) -> StoreResult<Vec<(String, u64)>>;
+
     /// Whether the table holds any row at all: an idle broker's upkeep asks
     /// this one cheap question instead of running every step on an empty
     /// table.

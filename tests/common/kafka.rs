@@ -41,10 +41,12 @@ impl MockKafka {
             auto_offset_reset: "earliest".to_owned(),
             ingest_dlq_topic: ingest_dlq.to_owned(),
             batch_size: 256,
+            batch_bytes: 16 << 20,
             batch_max_wait: Duration::from_millis(20),
             max_inflight: 1_000_000,
+            max_inflight_bytes: 0,
             max_delay: Duration::from_secs(3600),
-            max_activation_bytes: 1 << 20,
+            max_activation_bytes: 8 << 20,
             #[cfg(feature = "test-hooks")]
             crash_before_commit_after: None,
             health: Default::default(),
@@ -58,7 +60,7 @@ impl MockKafka {
         KafkaSettings {
             brokers: self.bootstrap(),
             properties: Vec::new(),
-            max_activation_bytes: 1 << 20,
+            max_activation_bytes: 8 << 20,
         }
     }
 
@@ -99,6 +101,23 @@ impl MockKafka {
         for sent in futures::future::join_all(sends).await {
             sent.expect("produce to the mock cluster");
         }
+    }
+
+    /// Produces one record to `partition`. The mock cluster keeps at most
+    /// 5 MiB per partition and, past that, drops the oldest record sets: a
+    /// record over 5 MiB must be alone (and last) in its partition.
+    pub async fn produce_to(&self, topic: &str, partition: i32, payload: &[u8]) {
+        self.producer()
+            .send(
+                FutureRecord::<(), _>::to(topic)
+                    .partition(partition)
+                    .payload(payload),
+                Timeout::After(Duration::from_secs(10)),
+            )
+            .await
+            .map(drop)
+            .map_err(|(err, _)| err)
+            .expect("produce to the mock cluster");
     }
 
     /// High watermark per partition.

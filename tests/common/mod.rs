@@ -563,3 +563,17 @@ pub fn start_store_actor(
         taskbroker::runtime::RuntimeRules::none(),
     )
 }
+
+/// `len` bytes from a simple generator (xorshift): no codec shrinks them.
+pub fn incompressible(len: usize) -> Vec<u8> {
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15 ^ len as u64;
+    let mut bytes = Vec::with_capacity(len + 8);
+    while bytes.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        bytes.extend_from_slice(&state.to_le_bytes());
+    }
+    bytes.truncate(len);
+    bytes
+}

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use rdkafka::message::{Headers as _, Message};
 
-use super::dead_letter::{Invalid, dead_letter_cut};
+use super::dead_letter::Invalid;
 use super::{ConsumeLoop, ConsumerConfig};
 use crate::kafka::raw::{RawRecord, raw_activation};
 use crate::model::{
@@ -34,6 +34,8 @@ pub(super) struct Batch {
     /// read under, and the highest offset read.
     pub(super) offsets: BTreeMap<(String, i32), (u64, i64)>,
     pub(super) started: Option<Instant>,
+    /// Payload bytes of the records read (`INSERT_BATCH_BYTES`).
+    pub(super) bytes: usize,
 }
 
 impl Batch {
@@ -42,6 +44,13 @@ impl Batch {
             + self.invalid.len()
             + self.demoted.len()
             + (self.expired + self.killswitched) as usize
+    }
+
+    /// Whether the batch should be written now: `batch_size` records, or
+    /// `batch_bytes` of payload (so a batch of large tasks holds at most
+    /// that plus one record).
+    pub(super) fn is_full(&self, batch_size: usize, batch_bytes: usize) -> bool {
+        self.records() >= batch_size || self.bytes >= batch_bytes
     }
 }
 
@@ -97,6 +106,7 @@ impl ConsumeLoop {
     pub(super) fn read(&mut self, payload: Vec<u8>, position: KafkaPosition) {
         let batch = &mut self.batch;
         batch.started.get_or_insert_with(Instant::now);
+        batch.bytes += payload.len();
         let generation = self
             .ownership
             .generation(&position.topic, position.partition);
@@ -122,16 +132,12 @@ impl ConsumeLoop {
                 bytes: payload.len(),
                 limit,
             };
-            // Producers and topics are sized for MAX_ACTIVATION_BYTES: an
-            // oversized record goes to the DLQ cut short (its full bytes
-            // stay in the source topic, named by the source header), so it
-            // can never block the partition.
-            let original_len = payload.len();
-            let mut bytes = payload;
-            bytes.truncate(dead_letter_cut(limit));
+            // Dead-lettered whole: the ingest DLQ producer takes any record
+            // a consumer can read, and only a refusal by Kafka itself cuts
+            // it (`writes.rs`).
             batch.invalid.push(Invalid {
-                bytes,
-                original_len: Some(original_len),
+                bytes: payload,
+                original_len: None,
                 position,
                 error,
             });

@@ -1,6 +1,13 @@
-//! The ingest dead-letter record: the invalid record's bytes (cut short
-//! when it is over `MAX_ACTIVATION_BYTES`) and headers that say why and
-//! where it came from.
+//! The ingest dead-letter record: the invalid record's bytes, whole, and
+//! headers that say why and where it came from.
+//!
+//! A record is dead-lettered as it was read, whatever its size: its
+//! producer is sized for any record a consumer can read and compresses.
+//! Only when Kafka itself refuses it as too large (the dead-letter topic's
+//! `max.message.bytes` is below it even compressed) is it cut
+//! ([`Invalid::cut`]), counted and logged; the whole record then stays in the
+//! source topic, at the position the source header names, until the topic's
+//! retention removes it.
 
 use std::time::Duration;
 
@@ -16,33 +23,32 @@ use crate::model::{ActivationError, KafkaPosition};
 /// attempt counts as failed and is retried.
 pub(in crate::actors::consumer) const DEAD_LETTER_DELIVERY_TIMEOUT: Duration =
     Duration::from_secs(10);
-/// Header names on ingest dead-letter records.
-pub const ERROR_HEADER: &str = "taskbroker-error";
-pub const REASON_HEADER: &str = "taskbroker-error-reason";
-pub const SOURCE_HEADER: &str = "taskbroker-source";
-/// On a dead-letter record cut short (see [`dead_letter_cut`]): the size of
-/// the original record, which stays in the source topic (see SOURCE_HEADER).
-pub const ORIGINAL_BYTES_HEADER: &str = "taskbroker-original-bytes";
-/// Room kept for the dead-letter headers when a record is cut short.
-pub const DEAD_LETTER_HEADER_ROOM: usize = 4096;
-
-/// How many bytes of a record over `max_activation_bytes` go to the ingest
-/// DLQ: with its headers, the dead letter is no larger than the largest
-/// valid activation, so any topic and producer that take activations take
-/// it (half the limit for limits too small to spare the room).
-pub fn dead_letter_cut(max_activation_bytes: usize) -> usize {
-    max_activation_bytes
-        .saturating_sub(DEAD_LETTER_HEADER_ROOM)
-        .max(max_activation_bytes / 2)
-}
+pub use crate::kafka::cut::{
+    DEAD_LETTER_HEADER_ROOM, ERROR_HEADER, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
+    dead_letter_cut, next_cut,
+};
 
 /// A record that is not a valid activation, kept for the ingest DLQ.
 pub(super) struct Invalid {
     pub(super) bytes: Vec<u8>,
-    /// Size of the record as read, when `bytes` holds only its beginning.
+    /// Size of the record as read, once `bytes` holds only its beginning.
     pub(super) original_len: Option<usize>,
     pub(super) position: KafkaPosition,
     pub(super) error: ActivationError,
+}
+
+impl Invalid {
+    /// Cuts the record after Kafka refused it as too large (see
+    /// [`next_cut`]). Returns false when there is nothing left to cut.
+    pub(super) fn cut(&mut self, max_activation_bytes: usize) -> bool {
+        let Some(size) = next_cut(self.bytes.len(), max_activation_bytes) else {
+            return false;
+        };
+        self.original_len.get_or_insert(self.bytes.len());
+        self.bytes.truncate(size);
+        self.bytes.shrink_to_fit();
+        true
+    }
 }
 
 /// Writes one invalid record to the ingest dead-letter topic; resolves
@@ -88,19 +94,4 @@ pub(super) async fn send(
         .await
         .map(drop)
         .map_err(|(err, _)| err)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dead_letters_cut_short_leave_room_for_their_headers() {
-        assert_eq!(
-            dead_letter_cut(1 << 20),
-            (1 << 20) - DEAD_LETTER_HEADER_ROOM
-        );
-        // MAX_ACTIVATION_BYTES may be as small as 1 KiB.
-        assert_eq!(dead_letter_cut(1024), 512);
-    }
 }

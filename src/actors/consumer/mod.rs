@@ -71,7 +71,7 @@ use self::rebalance::{Ownership, PartitionLag, RebalanceContext, Rebalanced};
 use super::fetch::WakeFetch;
 use super::store::StoreHandle;
 use crate::config::RawMode;
-use crate::kafka::{KafkaSettings, Producer, ThrottledLog};
+use crate::kafka::{KafkaSettings, PRODUCER_HEADROOM_BYTES, Producer, ThrottledLog};
 use crate::metrics::Metrics;
 use crate::model::ActivationError;
 use crate::runtime::RuntimeRules;
@@ -105,8 +105,12 @@ pub struct ConsumerConfig {
     pub auto_offset_reset: String,
     pub ingest_dlq_topic: String,
     pub batch_size: usize,
+    /// `INSERT_BATCH_BYTES`: a batch is written once its payloads reach it.
+    pub batch_bytes: usize,
     pub batch_max_wait: Duration,
     pub max_inflight: u64,
+    /// `MAX_INFLIGHT_BYTES` (0: no byte bound).
+    pub max_inflight_bytes: u64,
     pub max_delay: Duration,
     pub max_activation_bytes: usize,
     /// Where assignments are reported (readiness waits for the first).
@@ -288,6 +292,9 @@ struct ConsumeLoop {
     paused: bool,
     /// In-flight rows: last count read plus rows stored since.
     inflight: u64,
+    /// Stored activation bytes of the topic: last sum read plus bytes
+    /// stored since.
+    inflight_bytes: u64,
     /// Batches stored so far, for the crash switch.
     #[cfg(feature = "test-hooks")]
     batches_stored: u64,
@@ -331,9 +338,17 @@ impl ConsumeLoop {
         consumer
             .subscribe(&[config.topic.as_str()])
             .map_err(|err| format!("cannot subscribe to {}: {err}", config.topic))?;
+        // Sized for any record this consumer can read: an invalid record is
+        // dead-lettered whole, whatever its size.
         let dead_letters = config
             .ingest_dlq_kafka
-            .create_producer(DEAD_LETTER_DELIVERY_TIMEOUT)
+            .create_producer_for(
+                DEAD_LETTER_DELIVERY_TIMEOUT,
+                config
+                    .kafka
+                    .max_fetched_record_bytes()
+                    .saturating_add(PRODUCER_HEADROOM_BYTES),
+            )
             .map_err(|err| format!("Kafka producer: {err}"))?;
         Ok(ConsumeLoop {
             label: config.label(),
@@ -354,6 +369,7 @@ impl ConsumeLoop {
             held: false,
             paused: false,
             inflight: 0,
+            inflight_bytes: 0,
             #[cfg(feature = "test-hooks")]
             batches_stored: 0,
         })
@@ -397,7 +413,7 @@ impl ConsumeLoop {
                             // the batch is written as soon as nothing more is
                             // ready, so it grows with the load (records pile
                             // up while the previous insert runs).
-                            while self.batch.records() < self.config.batch_size {
+                            while !self.batch.is_full(self.config.batch_size, self.config.batch_bytes) {
                                 match self.consumer.recv().now_or_never() {
                                     Some(Ok(message)) => {
                                         let (payload, position) = record_of(&self.config, &message);
@@ -418,7 +434,7 @@ impl ConsumeLoop {
                             tokio::time::sleep(CONSUMER_ERROR_PAUSE).await;
                         }
                     }
-                    if self.batch.records() >= self.config.batch_size
+                    if self.batch.is_full(self.config.batch_size, self.config.batch_bytes)
                         && self.flush(CommitMode::Async).await != Flushed::Committed
                     {
                         return;
@@ -488,7 +504,7 @@ impl ConsumeLoop {
         self.flushing = 0;
         self.show_pending();
         self.held = false;
-        self.update_backpressure();
+        self.check_after_flush().await;
         if flushed == Flushed::GaveUp {
             tracing::warn!(
                 "stopping with a batch not fully written; its offsets stay uncommitted \
@@ -528,6 +544,9 @@ impl ConsumeLoop {
             demoted.retain(|(row, _)| kept(&row.topic, row.partition));
         }
         let read = rows.len() as u64;
+        // Duplicates are counted too: the estimate only errs high, which
+        // at worst reads the store's sum early.
+        let read_bytes: u64 = rows.iter().map(|row| row.activation.len() as u64).sum();
         let mut stored = 0;
         if !rows.is_empty() {
             if self.wait_for_room().await.is_err() {
@@ -590,6 +609,9 @@ impl ConsumeLoop {
             }
         }
         self.inflight += stored;
+        if stored > 0 {
+            self.inflight_bytes += read_bytes;
+        }
         Flushed::Committed
     }
 

@@ -14,7 +14,7 @@ use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
 use crate::actors::store::InsertBatch;
-use crate::kafka::Producer;
+use crate::kafka::{Producer, refused_as_too_large};
 use crate::metrics::Stage;
 use crate::model::{ActivationError, InflightActivation, KafkaPosition};
 use crate::store::StoreError;
@@ -151,19 +151,38 @@ impl ConsumeLoop {
             }));
             let results = self.attempt(sends).await.ok_or(Stopped)?;
             let mut failed = Vec::new();
+            let mut cut = Vec::new();
             let mut last_error = None;
-            for (record, result) in pending.into_iter().zip(results) {
-                let label = if result.is_ok() { "ok" } else { "error" };
-                self.metrics
-                    .ingest_dead_letters
-                    .with_label_values(&[label])
-                    .inc();
-                if let Err(err) = result {
-                    last_error = Some(err);
-                    failed.push(record);
+            for (mut record, result) in pending.into_iter().zip(results) {
+                let whole = record.original_len.is_none();
+                match result {
+                    Ok(()) => {
+                        self.metrics
+                            .ingest_dead_letters
+                            .with_label_values(&["ok"])
+                            .inc();
+                    }
+                    // Kafka will never take it whole: cut it and send the
+                    // cut record at once. The offset still waits for it.
+                    Err(err)
+                        if refused_as_too_large(&err)
+                            && record.cut(self.config.max_activation_bytes) =>
+                    {
+                        self.count_cut(&record, &err, whole);
+                        cut.push(record);
+                    }
+                    Err(err) => {
+                        self.metrics
+                            .ingest_dead_letters
+                            .with_label_values(&["error"])
+                            .inc();
+                        last_error = Some(err);
+                        failed.push(record);
+                    }
                 }
             }
             pending = failed;
+            pending.extend(cut);
             if let Some(err) = last_error {
                 let pause = backoff.next();
                 crate::warn_throttled!(
@@ -181,6 +200,30 @@ impl ConsumeLoop {
             }
         }
         Ok(())
+    }
+
+    /// Counts and logs a dead letter cut after Kafka refused it (once per
+    /// record, however many cuts it takes).
+    fn count_cut(&self, record: &Invalid, err: &rdkafka::error::KafkaError, first: bool) {
+        let position = &record.position;
+        let original = record.original_len.unwrap_or(record.bytes.len());
+        if first {
+            self.metrics
+                .dead_letters_truncated
+                .with_label_values(&["ingest"])
+                .inc();
+        }
+        tracing::warn!(
+            topic = %position.topic,
+            partition = position.partition,
+            offset = position.offset,
+            bytes = original,
+            cut_to = record.bytes.len(),
+            dlq = %self.config.ingest_dlq_topic,
+            error = %err,
+            "Kafka refused the ingest dead letter as too large; sending it cut short \
+             (the whole record stays in the source topic at this offset until its retention)"
+        );
     }
 
     /// Forwards demoted namespaces' activations, unchanged and keyed by id,

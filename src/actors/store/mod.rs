@@ -293,6 +293,11 @@ store_messages! {
     CountInflightByTopic {} -> Vec<(String, u64)>,
         "count_inflight_by_topic", |store, _msg| store.count_inflight_by_topic();
 
+    /// Bytes of stored activations per consumed topic (byte backpressure,
+    /// the `taskbroker_inflight_bytes` gauge).
+    InflightBytesByTopic {} -> Vec<(String, u64)>,
+        "inflight_bytes_by_topic", |store, _msg| store.inflight_bytes_by_topic();
+
     /// A cheap check that the store answers (health, readiness).
     Ping {} -> (),
         "ping", |store, _msg| store.ping();

@@ -22,7 +22,9 @@ use deadpool_postgres::Pool;
 use tokio_postgres::Row;
 
 use self::pool::{build_pool, connect_config, describe, only_row, pool_error, query_error};
-use self::rows::{activation_from_row, activations_from_rows, limit, micros, split_tokens};
+use self::rows::{
+    activation_from_row, activations_from_rows, limit, micros, per_topic, split_tokens,
+};
 use self::sql::*;
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
 use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
@@ -795,13 +797,15 @@ impl ActivationStore for PostgresStore {
         let rows = self
             .query(&self.pool, OP, COUNT_INFLIGHT_BY_TOPIC, &[])
             .await?;
-        rows.iter()
-            .map(|row| {
-                let topic: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
-                let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
-                Ok((topic, u64::try_from(count).unwrap_or(0)))
-            })
-            .collect()
+        per_topic(OP, &rows)
+    }
+
+    async fn inflight_bytes_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
+        const OP: &str = "inflight_bytes_by_topic";
+        let rows = self
+            .query(&self.pool, OP, INFLIGHT_BYTES_BY_TOPIC, &[])
+            .await?;
+        per_topic(OP, &rows)
     }
 
     async fn has_rows(&self) -> StoreResult<bool> {

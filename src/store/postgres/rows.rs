@@ -86,3 +86,19 @@ pub(super) fn split_tokens(claims: &[ClaimToken]) -> (Vec<&str>, Vec<DateTime<Ut
         .map(|claim| (claim.id.as_str(), claim.claim_expires_at))
         .unzip()
 }
+
+/// `(topic, count)` rows, as the per-topic bounds read them.
+pub(super) fn per_topic(operation: &'static str, rows: &[Row]) -> StoreResult<Vec<(String, u64)>> {
+    rows.iter()
+        .map(|row| {
+            let topic: String = row.try_get(0).map_err(|e| query_error(operation, e))?;
+            let count: Option<i64> = row.try_get(1).map_err(|e| query_error(operation, e))?;
+            Ok((
+                topic,
+                count
+                    .and_then(|count| u64::try_from(count).ok())
+                    .unwrap_or(0),
+            ))
+        })
+        .collect()
+}

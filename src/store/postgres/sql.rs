@@ -431,6 +431,10 @@ pub(super) const COUNT_BY_STATUS: &str =
 pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM inflight_taskactivations \
      WHERE status IN ('Pending', 'Delay', 'Claimed', 'Processing') GROUP BY topic";
 
+// The sums the triggers of migration V5 keep, a few rows per topic.
+pub(super) const INFLIGHT_BYTES_BY_TOPIC: &str =
+    "SELECT topic, sum(bytes)::int8 FROM taskbroker_inflight_bytes GROUP BY topic";
+
 // Read from the two partial indexes, never the whole table: the 64 oldest
 // stored first-attempt Pending rows (by `added_at`) and the 64 oldest
 // first-attempt claims. The first stored is, but for a delay, the first

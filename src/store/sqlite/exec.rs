@@ -45,6 +45,30 @@ pub(super) fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreE
     }
 }
 
+/// `(topic, count)` rows of `sql`, as the per-topic bounds read them.
+pub(super) fn per_topic(
+    operation: &'static str,
+    connection: &Connection,
+    sql: &str,
+) -> StoreResult<Vec<(String, u64)>> {
+    let mut statement = connection
+        .prepare_cached(sql)
+        .map_err(|e| sql_error(operation, e))?;
+    let mut rows = statement.query([]).map_err(|e| sql_error(operation, e))?;
+    let mut counts = Vec::new();
+    while let Some(row) = rows.next().map_err(|e| sql_error(operation, e))? {
+        let topic: String = row.get(0).map_err(|e| sql_error(operation, e))?;
+        let count: Option<i64> = row.get(1).map_err(|e| sql_error(operation, e))?;
+        counts.push((
+            topic,
+            count
+                .and_then(|count| u64::try_from(count).ok())
+                .unwrap_or(0),
+        ));
+    }
+    Ok(counts)
+}
+
 /// Runs a statement returning whole rows (`RETURNING` or `SELECT`).
 pub(super) fn query_rows(
     connection: &Connection,

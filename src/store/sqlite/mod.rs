@@ -55,7 +55,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::{Connection, params};
 use tokio::sync::oneshot;
 
-use self::exec::{apply_report, execute, exists, fenced, query_rows, sql_error};
+use self::exec::{apply_report, execute, exists, fenced, per_topic, query_rows, sql_error};
 use self::fair::claim_fair;
 use self::lock::lock_for_this_process;
 use self::reader::ReaderPool;
@@ -881,17 +881,15 @@ impl ActivationStore for SqliteStore {
     async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
         const OP: &str = "count_inflight_by_topic";
         self.read(OP, |connection| {
-            let mut statement = connection
-                .prepare_cached(COUNT_INFLIGHT_BY_TOPIC)
-                .map_err(|e| sql_error(OP, e))?;
-            let mut rows = statement.query([]).map_err(|e| sql_error(OP, e))?;
-            let mut counts = Vec::new();
-            while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
-                let topic: String = row.get(0).map_err(|e| sql_error(OP, e))?;
-                let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
-                counts.push((topic, u64::try_from(count).unwrap_or(0)));
-            }
-            Ok(counts)
+            per_topic(OP, connection, COUNT_INFLIGHT_BY_TOPIC)
+        })
+        .await
+    }
+
+    async fn inflight_bytes_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
+        const OP: &str = "inflight_bytes_by_topic";
+        self.read(OP, |connection| {
+            per_topic(OP, connection, INFLIGHT_BYTES_BY_TOPIC)
         })
         .await
     }

@@ -308,6 +308,10 @@ pub(super) const COUNT_BY_STATUS: &str =
 pub(super) const COUNT_INFLIGHT_BY_TOPIC: &str = "SELECT topic, count(*) FROM inflight_taskactivations \
      WHERE status IN ('Pending', 'Delay', 'Claimed', 'Processing') GROUP BY topic";
 
+// The sums the triggers of migration V5 keep, one row per topic.
+pub(super) const INFLIGHT_BYTES_BY_TOPIC: &str =
+    "SELECT topic, bytes FROM taskbroker_inflight_bytes";
+
 pub(super) const HAS_ROWS: &str = "SELECT EXISTS (SELECT 1 FROM inflight_taskactivations)";
 
 // From the partial indexes, as PostgreSQL's MAX_PENDING_LAG: the 64 oldest

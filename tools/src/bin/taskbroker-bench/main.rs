@@ -438,8 +438,10 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
             auto_offset_reset: "earliest".to_owned(),
             ingest_dlq_topic: "ingest-dlq".to_owned(),
             batch_size: args.batch,
+            batch_bytes: usize::MAX,
             batch_max_wait: Duration::from_millis(50),
             max_inflight: u64::MAX,
+            max_inflight_bytes: 0,
             max_delay: Duration::from_secs(3600),
             max_activation_bytes: 1 << 20,
             #[cfg(feature = "test-hooks")]

@@ -852,6 +852,73 @@ async fn upkeep_catches_up_on_more_than_a_batch_in_one_cycle(backend: Backend) {
     assert_eq!(harness.backlog("release_delayed"), 0);
 }
 
+/// SQLite: after a burst of large tasks drained, upkeep gives the file's
+/// space back, one bounded run per cycle while there is more (the store
+/// is empty by then, so these are idle cycles), then only on the slow
+/// cadence; `taskbroker_sqlite_bytes` shows the file as it is on disk.
+#[actix_rt::test]
+async fn a_drained_burst_gives_the_sqlite_file_space_back_and_the_gauges_show_it() {
+    let harness = Harness::on(Backend::Sqlite).await;
+    let common::TestStore::Sqlite(db) = &harness.db else {
+        unreachable!("an SQLite harness")
+    };
+    // 24 MiB of finished tasks, which the first cycle removes.
+    for chunk in 0..4 {
+        let mut batch = rows(&format!("big-{chunk}"), 24);
+        for (i, row) in batch.iter_mut().enumerate() {
+            row.activation = common::incompressible(chunk * 100 + i as u64, 256 << 10);
+            row.status = ActivationStatus::Complete;
+        }
+        harness.insert(&batch).await;
+    }
+    let on_disk = || {
+        std::fs::metadata(&db.path)
+            .expect("the database file")
+            .len()
+    };
+    let peak = on_disk();
+    assert!(peak > 24 << 20, "peak {peak} bytes");
+    let gauge = |kind: &str| {
+        harness
+            .metrics
+            .sqlite_bytes
+            .with_label_values(&[kind])
+            .get()
+    };
+
+    let upkeep = harness.start_upkeep(UpkeepConfig {
+        interval: MANUAL,
+        ..harness.config()
+    });
+    harness.wait_cycles(1).await;
+    assert_eq!(harness.transitions("remove_completed"), 96);
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), 1);
+    assert!(
+        gauge("free") > 10 << 20 && gauge("file") > 20 << 20,
+        "one bounded run gave back part: free {}, file {}",
+        gauge("free"),
+        gauge("file")
+    );
+    let mut done = 1;
+    while gauge("free") > 8 << 20 {
+        assert!(done < 20, "still {} bytes free", gauge("free"));
+        harness.run_next_cycle(&upkeep, done).await;
+        done += 1;
+    }
+    assert_eq!(
+        harness.metrics.store_calls("reclaim_space"),
+        done,
+        "one run per cycle"
+    );
+    let after = on_disk();
+    assert_eq!(gauge("file"), after as i64, "the gauge is the file on disk");
+    assert!(after < 10 << 20, "{after} bytes left of {peak}");
+    assert_eq!(gauge("wal"), 0, "the WAL is truncated");
+    // Nothing more to give back: the next cycle does not ask.
+    harness.run_next_cycle(&upkeep, done).await;
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), done);
+}
+
 #[actix_rt::test]
 async fn a_step_cut_short_by_its_budget_shows_a_backlog() {
     let harness = Harness::new().await;
@@ -1147,7 +1214,10 @@ async fn an_empty_store_costs_one_statement_per_cycle() {
             .sum()
     };
     assert_eq!(harness.metrics.store_calls("has_rows"), 5);
-    assert_eq!(all_calls(), 5, "five cycles, one statement each");
+    // The first cycle also offered to reclaim the store's file space;
+    // PostgreSQL has no file of its own and is not asked again.
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), 1);
+    assert_eq!(all_calls(), 6, "five cycles, one statement each");
     assert_eq!(harness.metrics.max_lag_seconds.get(), 0.0);
     assert_eq!(
         harness

@@ -174,6 +174,9 @@ pub struct Metrics {
     /// Rules in force from the runtime file, by kind (killswitches, paused,
     /// demoted_namespaces).
     pub runtime_rules: IntGaugeVec,
+    /// The SQLite store's files in bytes, by kind (file, wal, free); set by
+    /// upkeep's space reclaim, 0 on PostgreSQL.
+    pub sqlite_bytes: IntGaugeVec,
 }
 
 pub mod labels;
@@ -484,8 +487,14 @@ impl Metrics {
             "Rules in force from the runtime file, by kind.",
             &["kind"],
         );
+        let sqlite_bytes = gauge_vec(
+            "taskbroker_sqlite_bytes",
+            "The SQLite store's files in bytes, by kind: file (the database file), wal (its write-ahead log), free (free-list pages inside the file, reused by new rows or given back by the incremental vacuum); 0 on PostgreSQL.",
+            &["kind"],
+        );
         for collector in [
-            Box::new(runtime_config_loaded.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(sqlite_bytes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(runtime_config_loaded.clone()),
             Box::new(runtime_config_errors.clone()),
             Box::new(runtime_rules.clone()),
             Box::new(namespace_activations.clone()),
@@ -594,6 +603,7 @@ impl Metrics {
             namespace_max_lag,
             namespace_results,
             shown_namespaces: Default::default(),
+            sqlite_bytes,
         };
         metrics.initialise_label_values();
         metrics
@@ -644,6 +654,9 @@ impl Metrics {
         }
         for kind in RUNTIME_RULE_KINDS {
             self.runtime_rules.with_label_values(&[kind]);
+        }
+        for kind in SQLITE_BYTES_KINDS {
+            self.sqlite_bytes.with_label_values(&[kind]);
         }
         self.initialise_namespace_gauges();
     }
@@ -785,6 +798,16 @@ impl Metrics {
         }
     }
 
+    /// The SQLite store's files: the database file's and its WAL's
+    /// lengths, and the free pages inside the file, in bytes.
+    pub fn set_sqlite_bytes(&self, file: u64, wal: u64, free: u64) {
+        for (kind, bytes) in [("file", file), ("wal", wal), ("free", free)] {
+            self.sqlite_bytes
+                .with_label_values(&[kind])
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+    }
+
     /// The `other` line of the per-namespace gauges, always present (at 0
     /// while no namespace has tasks), so the families are on every scrape.
     fn initialise_namespace_gauges(&self) {
@@ -916,7 +939,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("# TYPE taskbroker_"))
             .count();
-        assert_eq!(families, 43, "{text}");
+        assert_eq!(families, 44, "{text}");
         assert!(text.contains("taskbroker_status_reports_total{status=\"invalid\"} 0"));
         assert!(text.contains("taskbroker_status_updates_total{result=\"missing\"} 0"));
         assert!(text.contains("taskbroker_status_updates_late_total 0"));
@@ -937,6 +960,7 @@ mod tests {
         assert!(text.contains("taskbroker_claims_released_total{reason=\"lease_expired\"} 0"));
         assert!(text.contains("taskbroker_published_total{kind=\"deadletter\",result=\"ok\"} 0"));
         assert!(text.contains("taskbroker_activations{status=\"claimed\"} 0"));
+        assert!(text.contains("taskbroker_sqlite_bytes{kind=\"free\"} 0"));
         assert!(
             text.contains("taskbroker_consumer_records_total{result=\"stored\",topic=\"tasks\"} 0")
         );

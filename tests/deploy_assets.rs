@@ -376,6 +376,7 @@ fn preinitialised_label_values_are_emitted_by_the_code() {
         labels::STORE_ERROR_KINDS,
         labels::STATUS_REPORTS,
         labels::STATUS_UPDATE_RESULTS,
+        labels::SQLITE_BYTES_KINDS,
     ]
     .concat();
     let unused: BTreeSet<&str> = values

@@ -348,10 +348,10 @@ async fn backpressure_pauses_at_max_inflight_and_resumes_when_rows_drain() {
 async fn backpressure_pauses_at_max_inflight_bytes_and_resumes_when_bytes_drain(backend: Backend) {
     let harness = Harness::on(backend).await;
     let mut config = harness.consumer_config();
-    let records: Vec<Vec<u8>> = (0..200)
+    let records: Vec<Vec<u8>> = (0..200u64)
         .map(|i| {
             let mut task = activation(format!("bytes-{i:03}"));
-            task.parameters_bytes = incompressible(64 << 10);
+            task.parameters_bytes = incompressible(i, 64 << 10);
             task.encode_to_vec()
         })
         .collect();
@@ -1030,7 +1030,7 @@ fn over_limit_consumer_config(harness: &Harness) -> ConsumerConfig {
 /// compress.
 fn incompressible_activation(id: &str, bytes: usize) -> Vec<u8> {
     let mut activation = activation(id.to_owned());
-    activation.parameters_bytes = incompressible(bytes);
+    activation.parameters_bytes = incompressible(bytes as u64, bytes);
     activation.encode_to_vec()
 }
 

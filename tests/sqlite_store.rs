@@ -1,50 +1,157 @@
 //! What only the SQLite backend has to show, beyond the shared conformance
-//! suite: the file gives space back, survives reopening, reports a bad path
-//! clearly, one failing operation in a group commit fails alone, and a file
-//! from an earlier release migrates with its rows.
+//! suite: the file gives space back after a burst drains (and a file
+//! created without incremental vacuum is switched at open), survives
+//! reopening, reports a bad path clearly, one failing operation in a group
+//! commit fails alone, and a file from an earlier release migrates with
+//! its rows.
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{TestSqlite, rows};
-use taskbroker::model::{ActivationStatus, BucketRange};
+use common::{TestSqlite, incompressible, rows};
+use taskbroker::model::{ActivationStatus, BucketRange, StatusUpdate, WorkerStatus};
 use taskbroker::store::{ActivationStore, SqliteStore, SqliteStoreConfig, StoreError};
 
-/// Logical size of the database file in bytes.
-fn database_bytes(db: &TestSqlite) -> i64 {
-    db.query(
-        "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
-        |row| row.get(0),
-    )[0]
+/// The length on disk of the database file.
+fn file_bytes(db: &TestSqlite) -> u64 {
+    std::fs::metadata(&db.path)
+        .expect("the database file")
+        .len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn removing_completed_rows_gives_the_space_back() {
+async fn a_drained_burst_of_large_tasks_gives_the_file_space_back() {
     let db = TestSqlite::new();
     let store = db.store().await;
-    let empty = database_bytes(&db);
-    // 40 MiB of finished work: 20,000 rows of 2 KiB.
-    for chunk in 0..20 {
-        let mut batch = rows(&format!("big-{chunk}"), 1_000);
-        for row in &mut batch {
-            row.activation = vec![7; 2048];
-            row.status = ActivationStatus::Complete;
+    // 50 MiB: 200 tasks of 256 KiB, in batches as the consumer stores them.
+    // Half finish by a worker's report (which deletes the row), half are
+    // stored Complete and removed by upkeep's step.
+    for chunk in 0..10 {
+        let mut batch = rows(&format!("big-{chunk}"), 20);
+        for (i, row) in batch.iter_mut().enumerate() {
+            row.activation = incompressible(chunk * 100 + i as u64, 256 << 10);
+            if chunk % 2 == 1 {
+                row.status = ActivationStatus::Complete;
+            }
         }
         store.insert_batch(&batch).await.unwrap();
     }
-    let peak = database_bytes(&db);
-    assert!(peak > 40 << 20, "peak {peak} bytes");
-
-    while store.remove_completed(1_000).await.unwrap() > 0 {}
+    let peak = file_bytes(&db);
+    assert!(peak > 45 << 20, "peak {peak} bytes");
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, 200, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 100);
+    let reports: Vec<StatusUpdate> = claimed
+        .iter()
+        .map(|claim| StatusUpdate::new(claim.token.id.clone(), WorkerStatus::Complete))
+        .collect();
+    assert_eq!(store.set_status(&reports).await.unwrap().updated, 100);
+    assert_eq!(store.remove_completed(1_000).await.unwrap(), 100);
     assert_eq!(store.count_by_status().await.unwrap().total(), 0);
-    let after = database_bytes(&db);
+    // Removing alone gives nothing back: the pages wait on the free list.
+    assert!(file_bytes(&db) >= peak, "{} < {peak}", file_bytes(&db));
+
+    // Reclaim runs are bounded: run them as upkeep does, until one says
+    // there is no more to give back.
+    let first = store
+        .reclaim_space()
+        .await
+        .unwrap()
+        .expect("SQLite has a file");
+    assert!(
+        first.before.free_bytes > 45 << 20,
+        "the free list held the removed tasks: {first:?}"
+    );
+    assert!(first.more, "one run gives back at most 4 MiB: {first:?}");
+    let mut last = first;
+    for _ in 0..40 {
+        if !last.more {
+            break;
+        }
+        last = store
+            .reclaim_space()
+            .await
+            .unwrap()
+            .expect("SQLite has a file");
+    }
+    assert!(!last.more, "still more to give back: {last:?}");
+    let after = file_bytes(&db);
+    assert_eq!(
+        last.after.file_bytes, after,
+        "the answer is what is on disk"
+    );
     // What stays is the slack kept for reuse (8 MiB) and the schema.
     assert!(
-        after < empty + (9 << 20),
-        "file holds {after} bytes after removing everything (peak {peak}, empty {empty})"
+        after < 10 << 20,
+        "file holds {after} bytes after draining (peak {peak}): {last:?}"
     );
+    assert!(last.after.free_bytes <= 8 << 20, "{last:?}");
+    assert_eq!(last.after.wal_bytes, 0, "the WAL is truncated: {last:?}");
+
+    // The file still works: a run with nothing to give back is a no-op.
+    store.insert_batch(&rows("after", 3)).await.unwrap();
+    let idle = store
+        .reclaim_space()
+        .await
+        .unwrap()
+        .expect("SQLite has a file");
+    assert!(!idle.more, "{idle:?}");
+    assert_eq!(idle.before, idle.after);
+    assert_eq!(store.count_by_status().await.unwrap().total(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_created_without_incremental_vacuum_is_switched_at_open() {
+    // A file with the store's schema, a row, and 20 MiB of free pages,
+    // created as SQLite does by default: auto_vacuum NONE.
+    let db = TestSqlite::new();
+    {
+        let connection = rusqlite::Connection::open(&db.path).expect("create the file");
+        connection
+            .execute_batch(include_str!(
+                "../migrations/sqlite/V1__create_inflight_taskactivations.sql"
+            ))
+            .expect("the V1 schema");
+        connection
+            .execute_batch(&common::v1_row_sql("x'0a036f6c64'", "0"))
+            .expect("a V1 row");
+        connection
+            .execute_batch("CREATE TABLE filler (bytes BLOB)")
+            .expect("a filler table");
+        for i in 0..80 {
+            connection
+                .execute(
+                    "INSERT INTO filler VALUES (?1)",
+                    [incompressible(i, 256 << 10)],
+                )
+                .expect("filler");
+        }
+        connection
+            .execute_batch("DROP TABLE filler")
+            .expect("free the filler");
+    }
+    let auto_vacuum = |db: &TestSqlite| db.query("PRAGMA auto_vacuum", |row| row.get::<_, i64>(0));
+    assert_eq!(auto_vacuum(&db), [0], "NONE, as created");
+    let before = file_bytes(&db);
+    assert!(before > 20 << 20, "{before} bytes");
+
+    let store = db.store().await;
+    assert_eq!(auto_vacuum(&db), [2], "INCREMENTAL after opening");
+    assert!(
+        file_bytes(&db) < 1 << 20,
+        "the rewrite dropped the free pages: {} bytes",
+        file_bytes(&db)
+    );
+    common::assert_v1_row_reads_back_with_no_edit(store.as_ref()).await;
+    drop(store);
+    // Once: a switched file opens as it is.
+    let store = db.store().await;
+    assert_eq!(auto_vacuum(&db), [2]);
+    assert!(store.get("old").await.unwrap().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,9 @@ use common::kafka::{MockKafka, payload};
 use common::{Backend, TestStore, now, row, row_from, rows, task, wait_until};
 use prost::Message as _;
 use rdkafka::message::Message as _;
-use taskbroker::actors::consumer::ConsumerActor;
+use taskbroker::actors::consumer::{
+    ConsumerActor, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
+};
 use taskbroker::actors::store::ReportStatus;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
@@ -146,6 +148,11 @@ impl Harness {
             .published
             .with_label_values(&[kind, result])
             .get()
+    }
+
+    /// Task dead letters written cut short.
+    fn truncated(&self) -> u64 {
+        Metrics::count(&self.metrics.dead_letters_truncated, "deadletter")
     }
 
     async fn wait_cycles(&self, n: u64) {
@@ -852,6 +859,73 @@ async fn upkeep_catches_up_on_more_than_a_batch_in_one_cycle(backend: Backend) {
     assert_eq!(harness.backlog("release_delayed"), 0);
 }
 
+/// SQLite: after a burst of large tasks drained, upkeep gives the file's
+/// space back, one bounded run per cycle while there is more (the store
+/// is empty by then, so these are idle cycles), then only on the slow
+/// cadence; `taskbroker_sqlite_bytes` shows the file as it is on disk.
+#[actix_rt::test]
+async fn a_drained_burst_gives_the_sqlite_file_space_back_and_the_gauges_show_it() {
+    let harness = Harness::on(Backend::Sqlite).await;
+    let common::TestStore::Sqlite(db) = &harness.db else {
+        unreachable!("an SQLite harness")
+    };
+    // 24 MiB of finished tasks, which the first cycle removes.
+    for chunk in 0..4 {
+        let mut batch = rows(&format!("big-{chunk}"), 24);
+        for (i, row) in batch.iter_mut().enumerate() {
+            row.activation = common::incompressible(chunk * 100 + i as u64, 256 << 10);
+            row.status = ActivationStatus::Complete;
+        }
+        harness.insert(&batch).await;
+    }
+    let on_disk = || {
+        std::fs::metadata(&db.path)
+            .expect("the database file")
+            .len()
+    };
+    let peak = on_disk();
+    assert!(peak > 24 << 20, "peak {peak} bytes");
+    let gauge = |kind: &str| {
+        harness
+            .metrics
+            .sqlite_bytes
+            .with_label_values(&[kind])
+            .get()
+    };
+
+    let upkeep = harness.start_upkeep(UpkeepConfig {
+        interval: MANUAL,
+        ..harness.config()
+    });
+    harness.wait_cycles(1).await;
+    assert_eq!(harness.transitions("remove_completed"), 96);
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), 1);
+    assert!(
+        gauge("free") > 10 << 20 && gauge("file") > 20 << 20,
+        "one bounded run gave back part: free {}, file {}",
+        gauge("free"),
+        gauge("file")
+    );
+    let mut done = 1;
+    while gauge("free") > 8 << 20 {
+        assert!(done < 20, "still {} bytes free", gauge("free"));
+        harness.run_next_cycle(&upkeep, done).await;
+        done += 1;
+    }
+    assert_eq!(
+        harness.metrics.store_calls("reclaim_space"),
+        done,
+        "one run per cycle"
+    );
+    let after = on_disk();
+    assert_eq!(gauge("file"), after as i64, "the gauge is the file on disk");
+    assert!(after < 10 << 20, "{after} bytes left of {peak}");
+    assert_eq!(gauge("wal"), 0, "the WAL is truncated");
+    // Nothing more to give back: the next cycle does not ask.
+    harness.run_next_cycle(&upkeep, done).await;
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), done);
+}
+
 #[actix_rt::test]
 async fn a_step_cut_short_by_its_budget_shows_a_backlog() {
     let harness = Harness::new().await;
@@ -955,14 +1029,19 @@ async fn a_retry_published_again_keeps_its_id_and_is_stored_once() {
     assert!(harness.get(&ids[0]).await.is_some(), "the retry is stored");
 }
 
+/// A retry or a dead letter Kafka refuses as too large is never published
+/// again and again, and never dropped: the task's stored activation goes to
+/// the dead-letter topic cut short (as far as Kafka makes it), with its
+/// original size and source position in headers, and the row finishes.
 #[actix_rt::test]
-async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
+async fn records_too_large_for_kafka_go_to_the_dlq_cut_short_not_published_forever() {
     let harness = Harness::new().await;
     let big = vec![7u8; 5_000];
     let (mut large_retry, _) = retry_row(0);
     large_retry.parameters_bytes = big.clone();
     let mut large_retry_row = row_from(&large_retry);
     large_retry_row.status = ActivationStatus::Retry;
+    let large_retry_bytes = large_retry_row.activation.clone();
     let (small_retry, small_retry_row) = retry_row(1);
     let mut large_dead = task("dead-large");
     large_dead.parameters_bytes = big;
@@ -974,6 +1053,7 @@ async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
     });
     let mut large_dead_row = row_from(&large_dead);
     large_dead_row.status = ActivationStatus::Failure;
+    let large_dead_bytes = large_dead_row.activation.clone();
     harness
         .insert(&[large_retry_row, small_retry_row, large_dead_row])
         .await;
@@ -1005,7 +1085,45 @@ async fn records_too_large_for_kafka_are_given_up_not_published_forever() {
     let retried =
         TaskActivation::decode(payload(&retries[0]).as_slice()).expect("a TaskActivation");
     assert_eq!(retried.taskname, small_retry.taskname);
-    assert_eq!(harness.kafka.end_offsets(DLQ_TOPIC, 1), [0]);
+    let dead = harness.kafka.read_all(DLQ_TOPIC, 1);
+    assert_eq!(dead.len(), 2, "both large tasks are dead-lettered");
+    let header = |record: &rdkafka::message::OwnedMessage, key: &str| {
+        use rdkafka::message::Headers as _;
+        record.headers().and_then(|headers| {
+            headers
+                .iter()
+                .find(|header| header.key == key)
+                .and_then(|header| header.value)
+                .map(|value| String::from_utf8_lossy(value).into_owned())
+        })
+    };
+    for (task, stored) in [
+        (&large_retry, &large_retry_bytes),
+        (&large_dead, &large_dead_bytes),
+    ] {
+        let record = dead
+            .iter()
+            .find(|record| record.key() == Some(task.id.as_bytes()))
+            .unwrap_or_else(|| panic!("{} is dead-lettered", task.id));
+        let cut = payload(record);
+        assert!(
+            !cut.is_empty() && cut.len() < stored.len(),
+            "{}: {} bytes",
+            task.id,
+            cut.len()
+        );
+        assert!(
+            stored.starts_with(&cut),
+            "the beginning of the stored activation"
+        );
+        assert_eq!(
+            header(record, ORIGINAL_BYTES_HEADER),
+            Some(stored.len().to_string())
+        );
+        assert_eq!(header(record, REASON_HEADER).as_deref(), Some("too_large"));
+        assert!(header(record, SOURCE_HEADER).is_some());
+    }
+    assert_eq!(harness.truncated(), 2);
 }
 
 /// The lag gauge is read every cycle, from indexes; the per-status counts
@@ -1147,7 +1265,10 @@ async fn an_empty_store_costs_one_statement_per_cycle() {
             .sum()
     };
     assert_eq!(harness.metrics.store_calls("has_rows"), 5);
-    assert_eq!(all_calls(), 5, "five cycles, one statement each");
+    // The first cycle also offered to reclaim the store's file space;
+    // PostgreSQL has no file of its own and is not asked again.
+    assert_eq!(harness.metrics.store_calls("reclaim_space"), 1);
+    assert_eq!(all_calls(), 6, "five cycles, one statement each");
     assert_eq!(harness.metrics.max_lag_seconds.get(), 0.0);
     assert_eq!(
         harness

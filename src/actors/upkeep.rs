@@ -39,6 +39,14 @@
 //! `GROUP BY namespace, status` for both), are refreshed at most every
 //! [`STATUS_COUNT_INTERVAL`].
 //!
+//! Space: a store with a file of its own (SQLite) gives the pages of
+//! removed rows back to the file system here, off the hot path, in bounded
+//! runs (`reclaim_space`): one every [`STATUS_COUNT_INTERVAL`], idle or not
+//! (a drained store is an empty one), and one each cycle while the last
+//! run left more to give back. Each run's answer sets
+//! `taskbroker_sqlite_bytes`. A store answering that it has no file
+//! (PostgreSQL) is not asked again.
+//!
 //! The broker's row in the store (`heartbeat.rs`) is kept here too, on a
 //! timer of its own so a long cycle never delays a heartbeat: joining at
 //! startup (which releases the claims a previous incarnation left), a
@@ -70,9 +78,9 @@ use super::fetch::WakeFetch;
 use super::heartbeat::{Member, MembershipConfig};
 use super::store::{
     CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines, HasRows,
-    MarkPublished, MaxPendingLag, ReleaseDelayed, ReleaseExpiredClaims, RemoveCompleted,
-    RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle, StoreMessage,
-    TakeDemoted, TakeForPublish,
+    MarkPublished, MaxPendingLag, ReclaimSpace, ReleaseDelayed, ReleaseExpiredClaims,
+    RemoveCompleted, RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle,
+    StoreMessage, TakeDemoted, TakeForPublish,
 };
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -141,8 +149,14 @@ pub struct UpkeepActor {
     wake: Vec<Recipient<WakeFetch>>,
     metrics: Arc<Metrics>,
     started_at: Instant,
-    /// When the rows per status were last counted.
+    /// When the rows per status were last counted (and the store's file
+    /// space last reclaimed on that cadence).
     counted_at: Option<Instant>,
+    /// The store keeps a file whose space upkeep gives back; false once it
+    /// answered that it has none.
+    store_has_file: bool,
+    /// The last space reclaim stopped with more to give back.
+    reclaim_more: bool,
     step_budget: Duration,
     running: bool,
     publishing: Arc<AtomicBool>,
@@ -192,6 +206,8 @@ impl UpkeepActor {
             metrics,
             started_at: Instant::now(),
             counted_at: None,
+            store_has_file: true,
+            reclaim_more: false,
             step_budget: interval,
             running: false,
             publishing: Arc::new(AtomicBool::new(false)),
@@ -285,34 +301,45 @@ impl Handler<RunUpkeep> for UpkeepActor {
             deadlines_allowed: self.deadlines_allowed(),
             step_budget: self.step_budget,
             count_statuses,
+            reclaim_space: self.store_has_file && (count_statuses || self.reclaim_more),
         });
         let publishing = Arc::clone(&self.publishing);
         let work = async move {
             // Every step works on rows: an empty store (an idle broker) is
             // one cheap question instead of a statement per step. A failed
             // question runs the cycle, whose steps count their own errors.
-            if matches!(cycle.store.call(HasRows {}).await, Ok(false)) {
+            let runnable = if matches!(cycle.store.call(HasRows {}).await, Ok(false)) {
                 cycle.idle_gauges();
-                return false;
-            }
-            // Publishing waits for Kafka's acknowledgements, which take up
-            // to the delivery timeout while Kafka is down: it runs beside
-            // the cycle (one publishing run at a time) so expiry, deadlines
-            // and delays keep their interval meanwhile.
-            if !publishing.swap(true, Ordering::AcqRel) {
-                let cycle = Arc::clone(&cycle);
-                actix_rt::spawn(async move {
-                    futures::join!(
-                        cycle.publish(PublishKind::Retry),
-                        cycle.publish(PublishKind::DeadLetter),
-                        cycle.forward_demoted()
-                    );
-                    publishing.store(false, Ordering::Release);
-                });
-            }
-            cycle.run().await
+                false
+            } else {
+                // Publishing waits for Kafka's acknowledgements, which take
+                // up to the delivery timeout while Kafka is down: it runs
+                // beside the cycle (one publishing run at a time) so expiry,
+                // deadlines and delays keep their interval meanwhile.
+                if !publishing.swap(true, Ordering::AcqRel) {
+                    let cycle = Arc::clone(&cycle);
+                    actix_rt::spawn(async move {
+                        futures::join!(
+                            cycle.publish(PublishKind::Retry),
+                            cycle.publish(PublishKind::DeadLetter),
+                            cycle.forward_demoted()
+                        );
+                        publishing.store(false, Ordering::Release);
+                    });
+                }
+                Arc::clone(&cycle).run().await
+            };
+            // After the steps, so the rows they removed are given back; on
+            // an empty store too, which is what a drained burst leaves.
+            (runnable, cycle.reclaim_space().await)
         };
-        ctx.spawn(work.into_actor(self).map(|runnable, act, ctx| {
+        ctx.spawn(work.into_actor(self).map(|(runnable, space), act, ctx| {
+            match space {
+                SpaceAnswer::NotAsked => {}
+                SpaceAnswer::NoFile => act.store_has_file = false,
+                SpaceAnswer::Ran { more } => act.reclaim_more = more,
+                SpaceAnswer::Failed => act.reclaim_more = false,
+            }
             act.running = false;
             act.metrics.upkeep_cycles.inc();
             act.config.health.upkeep_cycle_completed();
@@ -363,6 +390,20 @@ struct Cycle {
     step_budget: Duration,
     /// Whether this cycle counts the rows per status.
     count_statuses: bool,
+    /// Whether this cycle gives the store file's free space back.
+    reclaim_space: bool,
+}
+
+/// What a cycle's space reclaim learnt, for the next cycles.
+enum SpaceAnswer {
+    /// Not this cycle's turn.
+    NotAsked,
+    /// The store keeps no file of its own (PostgreSQL).
+    NoFile,
+    /// One run; `more`: it left more to give back.
+    Ran { more: bool },
+    /// Counted and logged; asked again on the usual cadence.
+    Failed,
 }
 
 /// One step's passes within a cycle: whether to run another, and what the
@@ -786,6 +827,37 @@ impl Cycle {
             .with_label_values(&[FORWARD_DEMOTED])
             .observe(started.elapsed().as_secs_f64());
         removed.filter(|_| all_delivered)
+    }
+
+    /// One bounded run giving the store file's free space back, when this
+    /// cycle asks for one; its answer sets the file's gauges.
+    async fn reclaim_space(&self) -> SpaceAnswer {
+        const NAME: &str = "reclaim_space";
+        if !self.reclaim_space {
+            return SpaceAnswer::NotAsked;
+        }
+        match self.store.call(ReclaimSpace {}).await {
+            Ok(None) => SpaceAnswer::NoFile,
+            Ok(Some(run)) => {
+                let after = run.after;
+                self.metrics
+                    .set_sqlite_bytes(after.file_bytes, after.wal_bytes, after.free_bytes);
+                if after.file_bytes < run.before.file_bytes {
+                    tracing::debug!(
+                        given_back = run.before.file_bytes - after.file_bytes,
+                        file_bytes = after.file_bytes,
+                        free_bytes = after.free_bytes,
+                        more = run.more,
+                        "SQLite file space given back"
+                    );
+                }
+                SpaceAnswer::Ran { more: run.more }
+            }
+            Err(err) => {
+                self.failed::<()>(NAME, &err);
+                SpaceAnswer::Failed
+            }
+        }
     }
 
     /// The gauges of an empty store, without asking it again.

@@ -114,8 +114,9 @@ pub const UPKEEP_TRANSITIONS: &[&str] = &[
     "publish_dead_letters",
     "forward_demoted",
 ];
-/// `taskbroker_upkeep_errors_total{step}`: the steps, and the gauge
-/// refresh queries.
+/// `taskbroker_upkeep_errors_total{step}`: the steps, the gauge refresh
+/// queries, and the SQLite space reclaim (which sets
+/// `taskbroker_sqlite_bytes`).
 pub const UPKEEP_ERROR_STEPS: &[&str] = &[
     "discard_failures",
     "release_expired_claims",
@@ -132,6 +133,7 @@ pub const UPKEEP_ERROR_STEPS: &[&str] = &[
     "count_by_status",
     "has_rows",
     "max_pending_lag",
+    "reclaim_space",
 ];
 /// `taskbroker_status_reports_total{status}`: each report as the gRPC
 /// API received it, or `invalid` when it refused it.
@@ -168,6 +170,7 @@ pub const STORE_OPERATIONS: &[&str] = &[
     "discard_failures",
     "mark_published",
     "remove_completed",
+    "reclaim_space",
     "count_by_status",
     "count_by_namespace",
     "count_inflight_by_topic",
@@ -178,6 +181,9 @@ pub const STORE_OPERATIONS: &[&str] = &[
     "fail_claims",
     "defer_claims",
 ];
+/// `taskbroker_sqlite_bytes{kind}`: the database file, its WAL, and the
+/// free pages inside the file.
+pub const SQLITE_BYTES_KINDS: &[&str] = &["file", "wal", "free"];
 /// The `kind` of `taskbroker_store_operation_errors_total`: what
 /// `StoreError::kind` answers for a running operation (migration and
 /// configuration errors only happen at startup, outside these metrics).

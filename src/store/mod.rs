@@ -14,10 +14,12 @@
 //! its own and applied by the code that publishes the retry (`model::retry`).
 
 mod postgres;
+mod space;
 mod sqlite;
 mod view;
 
 pub use postgres::{PostgresStore, PostgresStoreConfig};
+pub use space::{FileSpace, SpaceReclaim};
 pub use sqlite::{SqliteStore, SqliteStoreConfig, SqliteView};
 pub use view::{GroupCount, Inspection, NearExpiry, StoreView};
 
@@ -446,6 +448,15 @@ pub trait ActivationStore: Membership {
 
     /// Upkeep: deletes Complete rows.
     async fn remove_completed(&self, limit: usize) -> StoreResult<u64>;
+
+    /// Upkeep: gives free space in the store's own file back to the file
+    /// system, bounded per run so the single writer is never held long,
+    /// and answers the file's sizes before and after (`more`: run again
+    /// soon). `None` from a store with no file of its own: PostgreSQL,
+    /// whose server reclaims its space itself (autovacuum).
+    async fn reclaim_space(&self) -> StoreResult<Option<SpaceReclaim>> {
+        Ok(None)
+    }
 
     /// Row counts per status.
     async fn count_by_status(&self) -> StoreResult<StatusCounts>;

@@ -407,6 +407,22 @@ pub fn rows(prefix: &str, n: usize) -> Vec<InflightActivation> {
         .collect()
 }
 
+/// `n` bytes no compression would shrink (splitmix64 from `seed`), so a
+/// row or a file holding them is as large as they are.
+pub fn incompressible(seed: u64, n: usize) -> Vec<u8> {
+    let mut state = seed;
+    let mut bytes = Vec::with_capacity(n + 8);
+    while bytes.len() < n {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        bytes.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    bytes.truncate(n);
+    bytes
+}
+
 /// SQL inserting a Retry row `old` as the first schema (V1) knew it, on
 /// either backend: `activation` and `at` are that backend's literals for the
 /// bytes `0a 03 'old'` and for a timestamp.
@@ -562,18 +578,4 @@ pub fn start_store_actor(
         metrics,
         taskbroker::runtime::RuntimeRules::none(),
     )
-}
-
-/// `len` bytes from a simple generator (xorshift): no codec shrinks them.
-pub fn incompressible(len: usize) -> Vec<u8> {
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15 ^ len as u64;
-    let mut bytes = Vec::with_capacity(len + 8);
-    while bytes.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        bytes.extend_from_slice(&state.to_le_bytes());
-    }
-    bytes.truncate(len);
-    bytes
 }

@@ -35,7 +35,7 @@ use crate::model::{
     StatusCounts, StatusUpdate, Takeover, TaskRules,
 };
 use crate::runtime::RuntimeRules;
-use crate::store::{ActivationStore, StoreError, StoreResult};
+use crate::store::{ActivationStore, SpaceReclaim, StoreError, StoreResult};
 
 /// A push claim under the operators' rules: each namespace under a
 /// concurrency limit first, up to the room its limit leaves (counted
@@ -280,6 +280,11 @@ store_messages! {
     /// Upkeep: delete Complete rows.
     RemoveCompleted { limit: usize } -> u64,
         "remove_completed", |store, msg| store.remove_completed(msg.limit);
+
+    /// Upkeep: give free space in the store's file back, one bounded run
+    /// (SQLite; `None` from PostgreSQL, which has no file of its own).
+    ReclaimSpace {} -> Option<SpaceReclaim>,
+        "reclaim_space", |store, _msg| store.reclaim_space();
 
     /// Row counts per status.
     CountByStatus {} -> StatusCounts,

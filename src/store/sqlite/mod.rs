@@ -24,10 +24,11 @@
 //! process can crash without loss either way; only an OS crash or power
 //! cut can drop those, and leases replay them).
 //!
-//! Space: the database is created with `auto_vacuum = INCREMENTAL`; when
-//! upkeep removes finished rows and the free list grows past
-//! `writer::FREE_PAGES_KEPT`, a bounded `incremental_vacuum` returns pages
-//! to the file system, so the file tracks the in-flight rows, not the history.
+//! Space: the database is created with `auto_vacuum = INCREMENTAL` (a file
+//! created without it is rewritten once at open); deleted rows' pages go
+//! to the free list, and upkeep's `reclaim_space` gives what exceeds a
+//! slack back to the file system in bounded runs (`writer.rs`), so the
+//! file tracks the in-flight rows, not the history.
 //!
 //! This file is the store itself: its configuration, opening, and the
 //! `ActivationStore` operations as jobs for the writer or the readers. The
@@ -61,9 +62,9 @@ use self::lock::lock_for_this_process;
 use self::reader::ReaderPool;
 use self::rows::{duration_micros, json_strings, limit, micros_of, now_micros};
 use self::sql::*;
-use self::writer::{Command, WriteJob, open_writer, reclaim_free_pages, writer_gone, writer_loop};
+use self::writer::{Command, WriteJob, open_writer, reclaim_space, writer_gone, writer_loop};
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
-use super::{ActivationStore, StoreError, StoreResult, claimed_rows};
+use super::{ActivationStore, SpaceReclaim, StoreError, StoreResult, claimed_rows};
 use crate::model::{
     ActivationStatus, BucketRange, ClaimToken, ClaimedActivation, DeadlineOutcome, Dispatch,
     InflightActivation, Killswitch, NamespaceCount, PauseRule, PublishKind, PullFilter,
@@ -180,6 +181,22 @@ impl SqliteStore {
         });
         self.writer
             .send(Command::Write { durable, job })
+            .map_err(|_| writer_gone(operation))?;
+        result.await.map_err(|_| writer_gone(operation))?
+    }
+
+    /// Runs `run` on the writer between two group commits, outside any
+    /// transaction (migrations, checkpoints), and waits for its result.
+    async fn exclusive<T, F>(&self, operation: &'static str, run: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let (reply, result) = oneshot::channel();
+        self.writer
+            .send(Command::Exclusive(Box::new(move |connection| {
+                drop(reply.send(run(connection)));
+            })))
             .map_err(|_| writer_gone(operation))?;
         result.await.map_err(|_| writer_gone(operation))?
     }
@@ -371,17 +388,13 @@ impl ActivationStore for SqliteStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        let (reply, result) = oneshot::channel();
-        self.writer
-            .send(Command::Exclusive(Box::new(move |connection| {
-                let outcome = embedded::migrations::runner()
-                    .run(connection)
-                    .map(|_| ())
-                    .map_err(|err| StoreError::Migration(err.to_string()));
-                let _ = reply.send(outcome);
-            })))
-            .map_err(|_| writer_gone("migrate"))?;
-        result.await.map_err(|_| writer_gone("migrate"))?
+        self.exclusive("migrate", |connection| {
+            embedded::migrations::runner()
+                .run(connection)
+                .map(|_| ())
+                .map_err(|err| StoreError::Migration(err.to_string()))
+        })
+        .await
     }
 
     async fn ping(&self) -> StoreResult<()> {
@@ -828,11 +841,16 @@ impl ActivationStore for SqliteStore {
     async fn remove_completed(&self, limit_rows: usize) -> StoreResult<u64> {
         const OP: &str = "remove_completed";
         self.write(OP, false, move |connection| {
-            let removed = execute(connection, OP, REMOVE_COMPLETED, params![limit(limit_rows)])?;
-            if removed > 0 {
-                reclaim_free_pages(connection)?;
-            }
-            Ok(removed)
+            execute(connection, OP, REMOVE_COMPLETED, params![limit(limit_rows)])
+        })
+        .await
+    }
+
+    async fn reclaim_space(&self) -> StoreResult<Option<SpaceReclaim>> {
+        let path = self.path.clone();
+        let busy_timeout = self.readers.busy_timeout;
+        self.exclusive("reclaim_space", move |connection| {
+            reclaim_space(connection, &path, busy_timeout).map(Some)
         })
         .await
     }

@@ -56,6 +56,7 @@ impl PushPipelineConfig {
             fetch_actors: config.fetch_actors,
             fetch: FetchConfig {
                 batch_size: config.fetch_batch_size,
+                batch_bytes: config.fetch_batch_bytes,
                 backoff: config.fetch_backoff,
                 queue_timeout: config.push_queue_timeout,
                 lease: config.claim_lease(),
@@ -67,6 +68,7 @@ impl PushPipelineConfig {
             push: PushPoolConfig {
                 concurrency: config.push_concurrency,
                 queue_size: config.push_queue_size,
+                queue_bytes: config.push_queue_bytes,
                 push_timeout: config.push_timeout,
                 deadline_grace: config.processing_deadline_grace,
                 max_attempts: config.max_processing_attempts,
@@ -119,7 +121,7 @@ impl PushPipeline {
         liveness: Liveness,
     ) -> Result<PushPipeline, String> {
         PushPoolActor::validate(&config.push)?;
-        let registry = ClaimRegistry::fenced_by(liveness);
+        let registry = ClaimRegistry::fenced_by(liveness).with_push_bytes(config.push.queue_bytes);
         let push_arbiter = Arbiter::new();
         let push_pool = {
             let (push, store, metrics) = (config.push.clone(), store.clone(), Arc::clone(&metrics));

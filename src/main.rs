@@ -204,6 +204,7 @@ fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
                 pool_size: config.db_pool_size,
                 async_commit: config.db_async_commit,
                 broker_id: broker_id.clone(),
+                claim_max_bytes: config.fetch_batch_bytes,
                 ..PostgresStoreConfig::new(url.clone())
             })
             .map_err(|err| err.to_string())?;
@@ -215,6 +216,7 @@ fn open_store(config: &Config) -> Result<Arc<dyn ActivationStore>, String> {
                 async_commit: config.db_async_commit,
                 readers: config.db_pool_size.min(8),
                 broker_id,
+                claim_max_bytes: config.fetch_batch_bytes,
                 ..SqliteStoreConfig::new(config.sqlite_path.clone())
             })
             .map_err(|err| err.to_string())?;

@@ -56,6 +56,7 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
         BucketRange::ALL,
         FetchConfig {
             batch_size: BATCH,
+            batch_bytes: 16 << 20,
             // No second claim within the test: the first iteration is the
             // one under test.
             backoff: Duration::from_secs(3600),
@@ -137,6 +138,77 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     assert_eq!(attempts_consumed(store.as_ref()).await, 0);
 }
 
+/// PUSH_QUEUE_BYTES: however roomy the pool's mailbox, a FetchActor hands
+/// it no more activation bytes than the budget (plus one activation when
+/// it holds none); the rest waits as on a full mailbox and is released
+/// after the queue timeout, and the bytes come back when the guards go.
+#[actix_rt::test]
+async fn the_push_pool_takes_no_more_bytes_than_its_budget() {
+    let db = common::TestSqlite::new();
+    let store: Arc<dyn ActivationStore> = db.store().await;
+    let size = 100 << 10;
+    let rows: Vec<_> = common::rows("stuck", BATCH)
+        .into_iter()
+        .map(|mut row| {
+            row.activation = vec![1; size];
+            row
+        })
+        .collect();
+    common::insert(store.as_ref(), &rows).await;
+    let metrics = Arc::new(Metrics::new());
+    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let mut pool: Context<StuckPool> = Context::new();
+    pool.set_mailbox_capacity(100);
+    // Room for two of the activations, not three.
+    let registry = ClaimRegistry::new().with_push_bytes(2 * size + size / 2);
+    let fetcher = FetchActor::new(
+        BucketRange::ALL,
+        FetchConfig {
+            batch_size: BATCH,
+            batch_bytes: 16 << 20,
+            backoff: Duration::from_secs(3600),
+            queue_timeout: Duration::from_millis(50),
+            lease: Duration::from_secs(60),
+            fair_dispatch: true,
+            #[cfg(feature = "test-hooks")]
+            release_on_full: true,
+        },
+        handle.clone(),
+        pool.address().recipient(),
+        registry.clone(),
+        Arc::clone(&metrics),
+    )
+    .start();
+    common::wait_for_count(
+        "the submit times out on the full byte budget",
+        WAIT,
+        &metrics.submits,
+        "timeout",
+        1,
+    )
+    .await;
+    fetcher
+        .send(StopFetching)
+        .await
+        .expect("fetch actor answers");
+    assert_eq!(Metrics::count(&metrics.submits, "ok"), 2);
+    assert_eq!(registry.push_bytes().held(), 2 * size);
+    assert_eq!(
+        Metrics::count(&metrics.claims_released, "queue_timeout"),
+        BATCH as u64 - 2
+    );
+    drop(pool);
+    common::wait_until("the pool's claims are released", WAIT, || {
+        let store = Arc::clone(&store);
+        async move {
+            let counts = store.count_by_status().await.expect("count");
+            counts.get(ActivationStatus::Pending) == BATCH as u64
+        }
+    })
+    .await;
+    assert_eq!(registry.push_bytes().held(), 0, "the bytes came back");
+}
+
 /// Ids of the Claimed rows.
 async fn db_claimed(db: &common::TestSqlite) -> Vec<String> {
     db.query(
@@ -215,6 +287,7 @@ async fn claims_failing_during_an_outage_are_logged_once_per_interval() {
         BucketRange::ALL,
         FetchConfig {
             batch_size: BATCH,
+            batch_bytes: 16 << 20,
             backoff: Duration::from_millis(5),
             queue_timeout: Duration::from_millis(50),
             lease: Duration::from_secs(60),

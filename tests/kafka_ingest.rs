@@ -536,6 +536,7 @@ async fn kafka_to_workers_end_to_end(backend: Backend) {
             fetch_actors: 2,
             fetch: FetchConfig {
                 batch_size: 64,
+                batch_bytes: 16 << 20,
                 backoff: Duration::from_secs(600), // only wake-ups from the consumer
                 queue_timeout: Duration::from_millis(500),
                 lease: Duration::from_secs(30),
@@ -546,6 +547,7 @@ async fn kafka_to_workers_end_to_end(backend: Backend) {
             push: PushPoolConfig {
                 concurrency: 16,
                 queue_size: 32,
+                queue_bytes: 64 << 20,
                 push_timeout: Duration::from_secs(2),
                 deadline_grace: Duration::from_secs(3),
                 max_attempts: 5,

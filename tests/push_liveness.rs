@@ -36,6 +36,7 @@ async fn a_probe_refused_by_liveness_leaves_the_connection_free_to_recover() {
         fetch_actors: 1,
         fetch: FetchConfig {
             batch_size: 16,
+            batch_bytes: 16 << 20,
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(200),
             lease: Duration::from_secs(30),
@@ -46,6 +47,7 @@ async fn a_probe_refused_by_liveness_leaves_the_connection_free_to_recover() {
         push: PushPoolConfig {
             concurrency: 8,
             queue_size: 16,
+            queue_bytes: 64 << 20,
             // Admission waits up to half of it (1 s), longer than the
             // longest backoff pause (0.5 s): a claim waiting while the
             // worker is down is admitted as a probe.

@@ -126,6 +126,7 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
     let config = PushPoolConfig {
         concurrency: CONCURRENCY,
         queue_size: TASKS,
+        queue_bytes: 64 << 20,
         push_timeout: Duration::from_millis(500),
         deadline_grace: Duration::from_secs(3),
         max_attempts: 5,

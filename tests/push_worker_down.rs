@@ -68,6 +68,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
         fetch_actors: 2,
         fetch: FetchConfig {
             batch_size: 32,
+            batch_bytes: 16 << 20,
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(200),
             lease: Duration::from_secs(30),
@@ -78,6 +79,7 @@ async fn killed_worker_is_probed_at_a_bounded_rate_and_served_again_when_back() 
         push: PushPoolConfig {
             concurrency: 32,
             queue_size: 64,
+            queue_bytes: 64 << 20,
             push_timeout: Duration::from_secs(1),
             deadline_grace: Duration::from_secs(3),
             max_attempts: 5,

@@ -95,6 +95,7 @@ conformance!(
     counts_by_status,
     inflight_rows_are_counted_per_topic,
     stored_bytes_are_summed_per_topic_through_inserts_and_every_kind_of_removal,
+    every_push_claim_stops_at_its_byte_budget_and_takes_at_least_one_row,
     max_pending_lag_is_delay_adjusted_and_first_attempt_only,
     batch_operations_take_ids_with_quotes_backslashes_and_control_characters,
     failed_claims_become_failure_with_the_attempt_consumed,
@@ -1290,6 +1291,66 @@ async fn stored_bytes_are_summed_per_topic_through_inserts_and_every_kind_of_rem
     assert_eq!(sums().await, vec![("main".to_owned(), 21_500)]);
     store.remove_completed(100).await.unwrap();
     assert_eq!(sums().await, vec![("main".to_owned(), 21_000)]);
+}
+
+/// FETCH_BATCH_BYTES (16 MiB by default): a push claim, whichever way it
+/// picks its rows (oldest first, around paused rules, fair shares, a
+/// namespace's concurrency limit), keeps rows while the ones before them add
+/// up to less than the budget; a single row larger than it is still taken.
+async fn every_push_claim_stops_at_its_byte_budget_and_takes_at_least_one_row(store: Store) {
+    let mb4 = 4 << 20;
+    let big = |id: &str, namespace: &str, bytes: usize| {
+        let mut row = row(id);
+        row.namespace = namespace.to_owned();
+        row.activation = vec![3; bytes];
+        row
+    };
+    let batch: Vec<_> = (0..6)
+        .map(|i| big(&format!("a{i}"), "alpha", mb4))
+        .collect();
+    insert(store.as_ref(), &batch).await;
+    let claimed = store
+        .claim_for_push(BucketRange::ALL, 64, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 4, "4 x 4 MiB reach the 16 MiB budget");
+    let paused = [pause(Some("other-app"), None)];
+    let claimed = store
+        .claim_for_push_except(BucketRange::ALL, 64, LEASE, &paused, Dispatch::OldestFirst)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 2, "what is left");
+
+    let flows: Vec<_> = (0..3)
+        .flat_map(|i| {
+            [
+                big(&format!("f{i}"), "fair-1", mb4),
+                big(&format!("g{i}"), "fair-2", mb4),
+            ]
+        })
+        .collect();
+    insert(store.as_ref(), &flows).await;
+    let weights: Vec<(String, u32)> = Vec::new();
+    let claimed = store
+        .claim_for_push_except(BucketRange::ALL, 64, LEASE, &[], Dispatch::Fair(&weights))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 4, "fair shares are cut at the budget too");
+
+    insert(
+        store.as_ref(),
+        &(0..3)
+            .map(|i| big(&format!("l{i}"), "limited", 9 << 20))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let claimed = store.claim_limited("limited", 10, 64, LEASE).await.unwrap();
+    assert_eq!(claimed.len(), 2, "9 MiB, then 18 MiB reached the budget");
+
+    insert(store.as_ref(), &[big("huge", "huge", 20 << 20)]).await;
+    let claimed = store.claim_limited("huge", 10, 64, LEASE).await.unwrap();
+    assert_eq!(claimed.len(), 1, "one row over the budget is still claimed");
+    assert_eq!(claimed[0].activation.activation.len(), 20 << 20);
 }
 
 async fn max_pending_lag_is_delay_adjusted_and_first_attempt_only(store: Store) {

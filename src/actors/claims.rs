@@ -13,8 +13,16 @@
 //! push pool stops pushing as soon as it is raised, and from then on a guard
 //! dropped while armed stays registered instead of releasing its claim on
 //! its own, so everything not pushed is released by the one final statement.
+//!
+//! And it carries the push pool's byte budget ([`PushBytes`],
+//! `PUSH_QUEUE_BYTES`): a FetchActor takes an activation's bytes from it
+//! before handing the activation over, the guard holds them, and they come
+//! back when the guard goes (the push's outcome written, or the claim
+//! released), so the activations queued in the pool's mailbox and being
+//! pushed never add up to more than the budget plus one.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -32,6 +40,8 @@ pub struct ClaimRegistry {
     shutdown: Arc<watch::Sender<bool>>,
     /// Whether this broker may still claim and push (`liveness.rs`).
     liveness: Liveness,
+    /// Bytes of the activations handed to the push pool.
+    push_bytes: PushBytes,
 }
 
 impl Default for ClaimRegistry {
@@ -52,11 +62,23 @@ impl ClaimRegistry {
             held: Arc::default(),
             shutdown: Arc::new(watch::Sender::new(false)),
             liveness,
+            push_bytes: PushBytes::new(usize::MAX),
         }
+    }
+
+    /// The same registry, its push pool bounded to `limit` bytes of
+    /// activations (`PUSH_QUEUE_BYTES`).
+    pub fn with_push_bytes(mut self, limit: usize) -> Self {
+        self.push_bytes = PushBytes::new(limit);
+        self
     }
 
     pub fn liveness(&self) -> &Liveness {
         &self.liveness
+    }
+
+    pub fn push_bytes(&self) -> &PushBytes {
+        &self.push_bytes
     }
 
     /// Shutdown begins: holders stop claiming and pushing, and a guard
@@ -108,9 +130,80 @@ impl ClaimRegistry {
     }
 }
 
+/// The push pool's byte budget: bytes taken by the activations in its
+/// mailbox and in its pushes, at most `limit` unless a single activation is
+/// larger (a pool holding nothing always takes one).
+#[derive(Debug, Clone)]
+pub struct PushBytes {
+    budget: Arc<Budget>,
+}
+
+#[derive(Debug)]
+struct Budget {
+    held: AtomicUsize,
+    limit: usize,
+}
+
+impl PushBytes {
+    pub fn new(limit: usize) -> Self {
+        PushBytes {
+            budget: Arc::new(Budget {
+                held: AtomicUsize::new(0),
+                limit,
+            }),
+        }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.budget.held.load(Ordering::Acquire)
+    }
+
+    /// Takes `bytes` from the budget, unless that would pass the limit while
+    /// something is held already.
+    pub fn try_take(&self, bytes: usize) -> Option<HeldBytes> {
+        let held = &self.budget.held;
+        let mut current = held.load(Ordering::Acquire);
+        loop {
+            if current > 0 && current.saturating_add(bytes) > self.budget.limit {
+                return None;
+            }
+            match held.compare_exchange_weak(
+                current,
+                current.saturating_add(bytes),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(HeldBytes {
+                        budget: Arc::clone(&self.budget),
+                        bytes,
+                    });
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// Bytes taken from a [`PushBytes`] budget, given back when dropped.
+#[derive(Debug)]
+pub struct HeldBytes {
+    budget: Arc<Budget>,
+    bytes: usize,
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// One claimed activation's fence, releasing itself if dropped while armed.
 pub struct ClaimGuard {
     token: Option<ClaimToken>,
+    /// The push pool's bytes this activation holds while handed over.
+    bytes: Option<HeldBytes>,
     /// The liveness generation the claim was made in (`liveness.rs`).
     generation: u64,
     /// When the claim was handed to this guard (just after the claim
@@ -131,6 +224,7 @@ impl ClaimGuard {
         registry.insert(token.clone());
         ClaimGuard {
             token: Some(token),
+            bytes: None,
             generation: 0,
             claimed_at: std::time::Instant::now(),
             registry,
@@ -154,6 +248,17 @@ impl ClaimGuard {
     pub fn in_generation(mut self, generation: u64) -> Self {
         self.generation = generation;
         self
+    }
+
+    /// Holds `bytes` of the push pool's budget until the guard goes (or
+    /// [`ClaimGuard::give_back_bytes`]).
+    pub fn hold_bytes(&mut self, bytes: HeldBytes) {
+        self.bytes = Some(bytes);
+    }
+
+    /// The push pool refused the activation: its bytes go back at once.
+    pub fn give_back_bytes(&mut self) {
+        self.bytes = None;
     }
 
     /// Whether this claim may be pushed now: its generation is current

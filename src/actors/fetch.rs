@@ -69,6 +69,9 @@ const SUBMIT_RETRY_PAUSE: Duration = Duration::from_millis(5);
 #[derive(Debug, Clone)]
 pub struct FetchConfig {
     pub batch_size: usize,
+    /// `FETCH_BATCH_BYTES`: the store cuts a claim there; a claim holding
+    /// that many bytes counts as a full batch (claim again at once).
+    pub batch_bytes: usize,
     pub backoff: Duration,
     pub queue_timeout: Duration,
     pub lease: Duration,
@@ -292,7 +295,11 @@ impl Submitter {
         if claimed.is_empty() {
             return Iteration::Empty;
         }
-        let full = claimed.len() >= self.config.batch_size;
+        let bytes: usize = claimed
+            .iter()
+            .map(|claimed| claimed.activation.activation.len())
+            .sum();
+        let full = claimed.len() >= self.config.batch_size || bytes >= self.config.batch_bytes;
         let now = chrono::Utc::now();
         self.metrics.claims.inc_by(claimed.len() as u64);
 
@@ -334,7 +341,7 @@ impl Submitter {
                     drop((message, batch));
                     return Iteration::Stopped;
                 }
-                match self.push.try_send(message) {
+                match self.hand_over(message) {
                     Ok(()) => {
                         self.metrics.submits.with_label_values(&["ok"]).inc();
                         break;
@@ -362,6 +369,32 @@ impl Submitter {
         } else {
             Iteration::Idle
         }
+    }
+
+    /// `try_send` to the push pool, once the activation's bytes fit the
+    /// pool's byte budget (`PUSH_QUEUE_BYTES`): a pool holding too many bytes
+    /// answers `Full` as a full mailbox does, and a refused activation gives
+    /// its bytes back at once.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the same type as `try_send`'s own result: the message comes back by value"
+    )]
+    fn hand_over(&self, mut message: PushActivation) -> Result<(), SendError<PushActivation>> {
+        let size = message.activation.activation.len();
+        let Some(bytes) = self.registry.push_bytes().try_take(size) else {
+            return Err(SendError::Full(message));
+        };
+        message.claim.hold_bytes(bytes);
+        self.push.try_send(message).map_err(|err| match err {
+            SendError::Full(mut back) => {
+                back.claim.give_back_bytes();
+                SendError::Full(back)
+            }
+            SendError::Closed(mut back) => {
+                back.claim.give_back_bytes();
+                SendError::Closed(back)
+            }
+        })
     }
 
     /// Returns `first` and the rest of the batch to Pending: one message, one

@@ -32,4 +32,5 @@ pub use row::{
 };
 pub use rules::{
     Dispatch, Glob, Killswitch, PauseRule, TaskRules, fair_shares, interleave, weight_of,
+    within_bytes,
 };

@@ -234,6 +234,22 @@ pub fn fair_shares(limit: usize, weights: &[u32]) -> Vec<usize> {
         .collect()
 }
 
+/// A claim's byte budget over items in claim order: those whose
+/// predecessors' sizes add up to less than `budget`, so always the first
+/// and at most the budget plus one item.
+pub fn within_bytes<T>(items: Vec<(T, usize)>, budget: usize) -> Vec<T> {
+    let mut total = 0usize;
+    items
+        .into_iter()
+        .take_while(|(_, size)| {
+            let fits = total < budget;
+            total = total.saturating_add(*size);
+            fits
+        })
+        .map(|(item, _)| item)
+        .collect()
+}
+
 /// Interleaves the flows' heads (each oldest first, at most its share) and
 /// keeps the first `limit`: the k-th task of a flow of weight w takes its
 /// turn at k / w, ties in the order of `tiebreak` (per flow; random in the
@@ -253,6 +269,18 @@ pub fn interleave<T>(flows: Vec<(u32, Vec<T>)>, limit: usize, tiebreak: &[u64]) 
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_claim_keeps_rows_until_their_bytes_reach_the_budget_and_always_one() {
+        let sized = |sizes: &[usize]| -> Vec<(usize, usize)> {
+            sizes.iter().copied().enumerate().collect()
+        };
+        assert_eq!(within_bytes(sized(&[4, 4, 4, 4, 4]), 16), [0, 1, 2, 3]);
+        assert_eq!(within_bytes(sized(&[5, 5, 5, 5]), 16), [0, 1, 2, 3]);
+        assert_eq!(within_bytes(sized(&[100, 1]), 16), [0]);
+        assert_eq!(within_bytes(sized(&[1, 1, 1]), 16), [0, 1, 2]);
+        assert!(within_bytes(sized(&[]), 16).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -103,6 +103,10 @@ impl StoreError {
     }
 }
 
+/// A push claim's byte budget unless the configuration says otherwise
+/// (`FETCH_BATCH_BYTES`'s default).
+pub const DEFAULT_CLAIM_MAX_BYTES: usize = 16 << 20;
+
 /// A status as stored, or the row error naming it.
 pub(crate) fn parse_status(value: String) -> StoreResult<ActivationStatus> {
     value

@@ -82,6 +82,7 @@ pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {
         fetch_actors: 4,
         fetch: FetchConfig {
             batch_size: 64,
+            batch_bytes: 16 << 20,
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(500),
             lease: Duration::from_secs(30),
@@ -92,6 +93,7 @@ pub fn push_config(endpoints: WorkerEndpoints) -> PushPipelineConfig {
         push: PushPoolConfig {
             concurrency: 32,
             queue_size: 64,
+            queue_bytes: 64 << 20,
             push_timeout: Duration::from_secs(2),
             deadline_grace: Duration::from_secs(3),
             max_attempts: 5,

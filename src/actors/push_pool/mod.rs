@@ -101,6 +101,10 @@ const NO_ROUTE_LOG_APPLICATIONS: usize = 1024;
 pub struct PushPoolConfig {
     pub concurrency: usize,
     pub queue_size: usize,
+    /// `PUSH_QUEUE_BYTES`: bytes of activations in the mailbox and in
+    /// pushes together (the FetchActors take them from the claim
+    /// registry's budget before handing an activation over).
+    pub queue_bytes: usize,
     pub push_timeout: Duration,
     /// Added to `processing_deadline_duration` when a push succeeds.
     pub deadline_grace: Duration,

@@ -58,6 +58,9 @@ pub struct PostgresStoreConfig {
     /// The broker this store claims for (`claimed_by`, its row in
     /// `taskbroker_brokers`): `TASKBROKER_BROKER_ID`.
     pub broker_id: String,
+    /// Most activation bytes one push claim returns (`FETCH_BATCH_BYTES`;
+    /// always at least one row).
+    pub claim_max_bytes: usize,
 }
 
 impl PostgresStoreConfig {
@@ -69,6 +72,7 @@ impl PostgresStoreConfig {
             async_commit: false,
             connect_timeout: Duration::from_secs(5),
             broker_id: super::fresh_broker_id(),
+            claim_max_bytes: super::DEFAULT_CLAIM_MAX_BYTES,
         }
     }
 }
@@ -86,6 +90,8 @@ pub struct PostgresStore {
     announcer: String,
     /// Written into every claim (`claimed_by`).
     broker_id: String,
+    /// The byte budget of a push claim (`within_bytes!` in sql.rs).
+    claim_max_bytes: i64,
 }
 
 /// Where `config` connects, as `host:port` (several joined by commas),
@@ -129,6 +135,7 @@ impl PostgresStore {
             replayable,
             announcer: uuid::Uuid::new_v4().to_string(),
             broker_id: config.broker_id.clone(),
+            claim_max_bytes: i64::try_from(config.claim_max_bytes).unwrap_or(i64::MAX),
         })
     }
 
@@ -361,6 +368,7 @@ impl ActivationStore for PostgresStore {
                     &weighted,
                     &weights,
                     &self.broker_id,
+                    &self.claim_max_bytes,
                 ],
             )
             .await?
@@ -369,7 +377,14 @@ impl ActivationStore for PostgresStore {
                 &self.replayable,
                 OP,
                 CLAIM_FOR_PUSH,
-                &[&first, &last, &limit_rows, &lease, &self.broker_id],
+                &[
+                    &first,
+                    &last,
+                    &limit_rows,
+                    &lease,
+                    &self.broker_id,
+                    &self.claim_max_bytes,
+                ],
             )
             .await?
         } else {
@@ -386,6 +401,7 @@ impl ActivationStore for PostgresStore {
                     &self.broker_id,
                     &applications,
                     &namespaces,
+                    &self.claim_max_bytes,
                 ],
             )
             .await?
@@ -429,6 +445,7 @@ impl ActivationStore for PostgresStore {
                     &room.min(limit(limit_rows)),
                     &micros(lease),
                     &self.broker_id,
+                    &self.claim_max_bytes,
                 ],
             )
             .await

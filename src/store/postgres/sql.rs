@@ -70,10 +70,31 @@ macro_rules! not_paused {
     };
 }
 
+// A claim's byte budget (FETCH_BATCH_BYTES): of the rows `$picked` locked,
+// oldest first, those whose predecessors' activations add up to less than
+// `$budget` bytes; so always the first, and at most the budget plus one
+// activation. The rest stay Pending (their locks end with the statement).
+// octet_length() reads a stored value's size from its TOAST pointer.
+macro_rules! within_bytes {
+    ($picked:expr, $budget:literal) => {
+        concat!(
+            "(SELECT id FROM (SELECT b.id, octet_length(b.activation) AS size, \
+                sum(octet_length(b.activation)) OVER (ORDER BY b.added_at, b.id) AS upto \
+              FROM ",
+            $picked,
+            " AS p JOIN inflight_taskactivations b ON b.id = p.id) AS sized \
+              WHERE upto - size < ",
+            $budget,
+            "::int8)"
+        )
+    };
+}
+
 // `$5` (`$9` in the fair claim, `$4` in the limited one) is the claiming
-// broker's id, recorded in `claimed_by`.
+// broker's id, recorded in `claimed_by`; the last parameter is the byte
+// budget (`within_bytes!`).
 macro_rules! claim_for_push {
-    ($filter:expr) => {
+    ($filter:expr, $budget:literal) => {
         concat!(
             "WITH picked AS MATERIALIZED (SELECT id FROM inflight_taskactivations \
                WHERE status = 'Pending' AND bucket BETWEEN $1 AND $2 \
@@ -83,13 +104,15 @@ macro_rules! claim_for_push {
              UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $5, \
                claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
                                            t.claim_expires_at + interval '1 microsecond') \
-             FROM picked WHERE t.id = picked.id RETURNING ",
+             FROM ",
+            within_bytes!("picked", $budget),
+            " AS picked WHERE t.id = picked.id RETURNING ",
             columns!(t)
         )
     };
 }
-pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
-pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$6", "$7"));
+pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("", "$6");
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("$6", "$7"), "$8");
 
 // Fair dispatch ($5, $6: paused rules as above; $7, $8: namespaces and
 // their weights, others weigh 1). `flows` walks the distinct (application,
@@ -144,8 +167,9 @@ pub(super) const CLAIM_FOR_PUSH_FAIR: &str = concat!(
      UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $9, \
        claim_expires_at = GREATEST(now() + $4::int8 * interval '1 microsecond', \
                                    t.claim_expires_at + interval '1 microsecond') \
-     FROM (SELECT id FROM fair UNION ALL SELECT id FROM fill) AS picked \
-     WHERE t.id = picked.id RETURNING ",
+     FROM ",
+    within_bytes!("(SELECT id FROM fair UNION ALL SELECT id FROM fill)", "$10"),
+    " AS picked WHERE t.id = picked.id RETURNING ",
     columns!(t)
 );
 
@@ -164,7 +188,9 @@ pub(super) const CLAIM_LIMITED: &str = concat!(
      UPDATE inflight_taskactivations t SET status = 'Claimed', claimed_by = $4, \
        claim_expires_at = GREATEST(now() + $3::int8 * interval '1 microsecond', \
                                    t.claim_expires_at + interval '1 microsecond') \
-     FROM picked WHERE t.id = picked.id RETURNING ",
+     FROM ",
+    within_bytes!("picked", "$5"),
+    " AS picked WHERE t.id = picked.id RETURNING ",
     columns!(t)
 );
 

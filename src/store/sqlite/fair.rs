@@ -11,17 +11,18 @@ use super::exec::{query_rows, sql_error};
 use super::rows::{json_strings, limit};
 use super::sql::{CLAIM_IDS, FIRST_FLOW, FLOW_HEADS, NEXT_APPLICATION, NEXT_NAMESPACE};
 use crate::model::{
-    BucketRange, InflightActivation, PauseRule, fair_shares, interleave, weight_of,
+    BucketRange, InflightActivation, PauseRule, fair_shares, interleave, weight_of, within_bytes,
 };
 use crate::store::StoreResult;
 
 /// Fair dispatch's share of a claim (see `ActivationStore::
 /// claim_for_push_except`): every flow's oldest rows up to its share,
-/// interleaved by weighted turn, claimed. The caller fills the rest.
+/// interleaved by weighted turn, cut to the byte budget in that order,
+/// claimed. The caller fills the rest.
 pub(super) fn claim_fair(
     connection: &Connection,
     buckets: BucketRange,
-    limit_rows: usize,
+    (limit_rows, budget): (usize, usize),
     (expiry, claimer): (i64, &str),
     now: i64,
     weights: &[(String, u32)],
@@ -61,7 +62,10 @@ pub(super) fn claim_fair(
                     now,
                     limit(share)
                 ],
-                |row| row.get::<_, String>(0),
+                |row| {
+                    let size: i64 = row.get(1)?;
+                    Ok((row.get::<_, String>(0)?, usize::try_from(size).unwrap_or(0)))
+                },
             )
             .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
             .map_err(failed)?;
@@ -72,7 +76,7 @@ pub(super) fn claim_fair(
     let tiebreak: Vec<u64> = (0..heads.len())
         .map(|index| random.hash_one(index))
         .collect();
-    let chosen = interleave(heads, limit_rows, &tiebreak);
+    let chosen = within_bytes(interleave(heads, limit_rows, &tiebreak), budget);
     if chosen.is_empty() {
         return Ok(Vec::new());
     }

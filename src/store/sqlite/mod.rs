@@ -89,6 +89,9 @@ pub struct SqliteStoreConfig {
     /// The broker this store claims for (`claimed_by`, its row in
     /// `taskbroker_brokers`): `TASKBROKER_BROKER_ID`.
     pub broker_id: String,
+    /// Most activation bytes one push claim returns (`FETCH_BATCH_BYTES`;
+    /// always at least one row).
+    pub claim_max_bytes: usize,
 }
 
 impl SqliteStoreConfig {
@@ -99,6 +102,7 @@ impl SqliteStoreConfig {
             async_commit: false,
             busy_timeout: Duration::from_secs(5),
             broker_id: super::fresh_broker_id(),
+            claim_max_bytes: super::DEFAULT_CLAIM_MAX_BYTES,
         }
     }
 }
@@ -111,6 +115,8 @@ pub struct SqliteStore {
     /// second broker process on the same file refuses to start instead of
     /// competing for the writer lock. The kernel drops it if we die.
     _process_lock: std::fs::File,
+    /// The byte budget of a push claim (`within_bytes!` in sql.rs).
+    claim_max_bytes: usize,
     /// Written into every claim (`claimed_by`).
     broker_id: String,
 }
@@ -147,6 +153,7 @@ impl SqliteStore {
             }),
             _process_lock: process_lock,
             broker_id: config.broker_id.clone(),
+            claim_max_bytes: config.claim_max_bytes,
         })
     }
 
@@ -471,6 +478,7 @@ impl ActivationStore for SqliteStore {
         };
         let paused = (!paused.is_empty()).then(|| json_pause_rules(paused));
         let claimer = self.broker_id.clone();
+        let budget = self.claim_max_bytes;
         self.write(OP, false, move |connection| {
             let now = now_micros();
             let expiry = now.saturating_add(lease);
@@ -479,7 +487,7 @@ impl ActivationStore for SqliteStore {
                 claimed = claim_fair(
                     connection,
                     buckets,
-                    limit_rows,
+                    (limit_rows, budget),
                     (expiry, &claimer),
                     now,
                     weights,
@@ -487,23 +495,25 @@ impl ActivationStore for SqliteStore {
                 )?;
             }
             let room = limit_rows.saturating_sub(claimed.len());
-            if room == 0 {
+            let claimed_bytes: usize = claimed.iter().map(|row| row.activation.len()).sum();
+            if room == 0 || claimed_bytes >= budget {
                 return claimed_rows(claimed);
             }
             // Oldest first: the whole claim, or what fair shares left.
             let (first, last, limit_rows) = (buckets.first, buckets.last, limit(room));
+            let left = byte_param(budget - claimed_bytes);
             claimed.extend(match &paused {
                 None => query_rows(
                     connection,
                     OP,
                     CLAIM_FOR_PUSH,
-                    params![first, last, limit_rows, expiry, now, claimer],
+                    params![first, last, limit_rows, expiry, now, claimer, left],
                 )?,
                 Some(paused) => query_rows(
                     connection,
                     OP,
                     CLAIM_FOR_PUSH_UNPAUSED,
-                    params![first, last, limit_rows, expiry, now, claimer, paused],
+                    params![first, last, limit_rows, expiry, now, claimer, left, paused],
                 )?,
             });
             claimed_rows(claimed)
@@ -525,6 +535,7 @@ impl ActivationStore for SqliteStore {
         let namespace = namespace.to_owned();
         let lease = duration_micros(lease);
         let claimer = self.broker_id.clone();
+        let budget = byte_param(self.claim_max_bytes);
         self.write(OP, false, move |connection| {
             let in_flight: i64 = connection
                 .prepare_cached(COUNT_NAMESPACE_IN_FLIGHT)
@@ -544,7 +555,8 @@ impl ActivationStore for SqliteStore {
                     room.min(limit(limit_rows)),
                     now.saturating_add(lease),
                     now,
-                    claimer
+                    claimer,
+                    budget
                 ],
             )?;
             claimed_rows(claimed)
@@ -993,4 +1005,9 @@ fn json_pairs(pairs: impl Iterator<Item = (String, String)>) -> String {
         .map(|(first, second)| json_strings([first.as_str(), second.as_str()]))
         .collect();
     format!("[{}]", pairs.join(","))
+}
+
+/// A byte count as SQLite's integer.
+fn byte_param(bytes: usize) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }

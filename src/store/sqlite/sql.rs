@@ -40,26 +40,49 @@ macro_rules! not_paused {
     };
 }
 
+// A claim's byte budget (FETCH_BATCH_BYTES, see migrations/postgres and
+// the PostgreSQL statements): of the candidate rows `$candidates` (id,
+// added_at, size), oldest first, those whose predecessors add up to less
+// than `$budget` bytes. length() of a BLOB column reads its size without
+// loading the value.
+macro_rules! within_bytes {
+    ($candidates:expr, $budget:literal) => {
+        concat!(
+            "SELECT id FROM (SELECT id, size, \
+                sum(size) OVER (ORDER BY added_at, id) AS upto FROM (",
+            $candidates,
+            ")) WHERE upto - size < ",
+            $budget
+        )
+    };
+}
+
 // `?1`, `?2` buckets, `?3` limit, `?4` the new claim expiry, `?5` now,
-// `?6` the claiming broker (`claimed_by`), `?7` paused rules (the
-// _UNPAUSED variant).
+// `?6` the claiming broker (`claimed_by`), `?7` the byte budget, `?8`
+// paused rules (the _UNPAUSED variant).
 macro_rules! claim_for_push {
     ($filter:expr) => {
         concat!(
             "UPDATE inflight_taskactivations \
                SET status = 'Claimed', claimed_by = ?6, claim_expires_at = max(?4, coalesce(claim_expires_at + 1, 0)) \
-             WHERE id IN (SELECT id FROM inflight_taskactivations \
-               WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
-                 AND (expires_at IS NULL OR expires_at > ?5)",
-            $filter,
-            " ORDER BY added_at LIMIT ?3) \
-             RETURNING ",
+             WHERE id IN (",
+            within_bytes!(
+                concat!(
+                    "SELECT id, added_at, length(activation) AS size FROM inflight_taskactivations \
+                      WHERE status = 'Pending' AND bucket BETWEEN ?1 AND ?2 \
+                        AND (expires_at IS NULL OR expires_at > ?5)",
+                    $filter,
+                    " ORDER BY added_at LIMIT ?3"
+                ),
+                "?7"
+            ),
+            ") RETURNING ",
             columns!()
         )
     };
 }
 pub(super) const CLAIM_FOR_PUSH: &str = claim_for_push!("");
-pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?7"));
+pub(super) const CLAIM_FOR_PUSH_UNPAUSED: &str = claim_for_push!(not_paused!("?8"));
 
 // Fair dispatch, step by step in one write: the flows (application,
 // namespace) with Pending rows, one index probe each (`?1`, `?2` the flow
@@ -81,7 +104,7 @@ pub(super) const NEXT_APPLICATION: &str = "SELECT application, namespace \
      FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
      WHERE status = 'Pending' AND application > ?1 \
      ORDER BY application, namespace LIMIT 1";
-pub(super) const FLOW_HEADS: &str = "SELECT id \
+pub(super) const FLOW_HEADS: &str = "SELECT id, length(activation) \
      FROM inflight_taskactivations INDEXED BY inflight_pending_by_flow \
      WHERE status = 'Pending' AND application = ?1 AND namespace = ?2 \
        AND bucket BETWEEN ?3 AND ?4 AND (expires_at IS NULL OR expires_at > ?5) \
@@ -96,17 +119,21 @@ pub(super) const CLAIM_IDS: &str = concat!(
 
 // Concurrency limits (the single writer makes count-then-claim atomic):
 // `?1` namespace; then `?2` limit, `?3` claim expiry, `?4` now, `?5` the
-// claiming broker.
+// claiming broker, `?6` the byte budget.
 pub(super) const COUNT_NAMESPACE_IN_FLIGHT: &str = "SELECT count(*) \
      FROM inflight_taskactivations WHERE namespace = ?1 AND status IN ('Claimed', 'Processing')";
 pub(super) const CLAIM_LIMITED: &str = concat!(
     "UPDATE inflight_taskactivations \
        SET status = 'Claimed', claimed_by = ?5, claim_expires_at = max(?3, coalesce(claim_expires_at + 1, 0)) \
-     WHERE id IN (SELECT id FROM inflight_taskactivations \
-       WHERE status = 'Pending' AND namespace = ?1 \
-         AND (expires_at IS NULL OR expires_at > ?4) \
-       ORDER BY added_at LIMIT ?2) \
-     RETURNING ",
+     WHERE id IN (",
+    within_bytes!(
+        "SELECT id, added_at, length(activation) AS size FROM inflight_taskactivations \
+          WHERE status = 'Pending' AND namespace = ?1 \
+            AND (expires_at IS NULL OR expires_at > ?4) \
+          ORDER BY added_at LIMIT ?2",
+        "?6"
+    ),
+    ") RETURNING ",
     columns!()
 );
 

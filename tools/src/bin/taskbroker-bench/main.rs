@@ -612,6 +612,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
         fetch_actors: args.fetch_actors,
         fetch: FetchConfig {
             batch_size: args.batch,
+            batch_bytes: 16 << 20,
             backoff: Duration::from_millis(20),
             queue_timeout: Duration::from_millis(2000),
             lease: Duration::from_secs(60),
@@ -622,6 +623,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
         push: PushPoolConfig {
             concurrency: args.concurrency,
             queue_size: args.queue,
+            queue_bytes: 64 << 20,
             push_timeout: Duration::from_secs(5),
             deadline_grace: Duration::from_secs(3),
             max_attempts: 5,

@@ -131,7 +131,32 @@ on_both_backends!(
     get_task_hands_out_pending_work_and_not_found_when_none,
     set_task_status_completes_and_is_idempotent_for_unknown_ids,
     fetch_next_task_hands_out_the_next_task_or_nothing,
+    a_six_mib_task_is_pulled_byte_identical,
 );
+
+/// Issue 32: GetTask hands out a 6 MiB task (over tonic's default 4 MiB)
+/// byte-identical to a worker whose receive limit takes it.
+async fn a_six_mib_task_is_pulled_byte_identical(backend: Backend) {
+    let api = Api::on(backend, DeliveryMode::Pull, vec![]).await;
+    let mut task = common::task("six-mib");
+    task.parameters_bytes = common::incompressible(6, 6 << 20);
+    let stored = common::row_from(&task);
+    let sent = stored.activation.clone();
+    insert(api.store.as_ref(), &[stored]).await;
+    let mut client = api.client().await.max_decoding_message_size(16 << 20);
+    let pulled = client
+        .get_task(GetTaskRequest::default())
+        .await
+        .expect("GetTask")
+        .into_inner()
+        .task
+        .expect("a task");
+    assert!(pulled.encode_to_vec() == sent, "pulled byte-identical");
+    assert_eq!(
+        api.status("six-mib").await,
+        Some(ActivationStatus::Processing)
+    );
+}
 
 #[actix_rt::test]
 async fn get_task_in_push_mode_is_permission_denied() {

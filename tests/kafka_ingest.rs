@@ -928,6 +928,23 @@ async fn a_record_over_the_limit_reaches_the_ingest_dlq_whole_before_its_offset_
     assert_eq!(header(&dead[0], ORIGINAL_BYTES_HEADER), None);
 }
 
+/// At the default settings a 6 MiB activation (what real producers send)
+/// is consumed and stored whole: the consumer fetches a whole activation
+/// and MAX_ACTIVATION_BYTES is 8 MiB.
+#[actix_rt::test]
+async fn a_six_mib_activation_is_consumed_and_stored_whole_at_the_defaults() {
+    let harness = Harness::new().await;
+    let six = incompressible_activation("six-mib", 6 << 20);
+    harness.kafka.produce_to(TOPIC, BIG_PARTITION, &six).await;
+    produce_beside_the_big_one(&harness, "six", 5).await;
+    let (_consumer, metrics) = harness.consume(harness.consumer_config());
+    harness.wait_for_total(6).await;
+    wait_for_commits_to_the_end(&harness).await;
+    let stored = harness.store.get("six-mib").await.unwrap().expect("stored");
+    assert!(stored.activation == six, "stored byte-identical");
+    assert_eq!(metrics.invalid("too_large"), 0);
+}
+
 /// When Kafka itself refuses an ingest dead letter as too large, it is cut
 /// short (the original size in a header), counted, and written; the
 /// record's offset is committed only after the cut record is acknowledged,

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use common::worker::{CountingHandler, DemoWorker, FakeWorker, Mode, push_config};
+use common::worker::{
+    CountingHandler, DemoWorker, FakeWorker, Mode, RecordingHandler, push_config,
+};
 use common::{Backend, rows, wait_for_count, wait_until};
 use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, StopPushPool};
 use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
@@ -1005,3 +1007,39 @@ async fn activation_too_large_for_the_worker_fails_once() {
         "only the small one"
     );
 }
+
+/// Issue 32: a 6 MiB task (incompressible, over tonic's default 4 MiB
+/// limit) is stored and pushed byte-identical to a worker whose receive
+/// limit takes it.
+async fn a_six_mib_task_is_stored_and_pushed_byte_identical(backend: Backend) {
+    let harness = Harness::on(backend).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let recorder = RecordingHandler::default();
+    let _stop = common::worker::serve_until_dropped(
+        tonic::transport::Server::builder().add_service(
+            WorkerServiceServer::new(recorder.clone()).max_decoding_message_size(16 << 20),
+        ),
+        listener,
+    );
+    let mut task = common::task("six-mib");
+    task.parameters_bytes = common::incompressible(6, 6 << 20);
+    let row = common::row_from(&task);
+    let sent = row.activation.clone();
+    harness.insert_rows(&[row]).await;
+    let stored = harness.store.get("six-mib").await.unwrap().expect("stored");
+    assert!(stored.activation == sent, "stored byte-identical");
+    let pipeline = harness.start(config_with(
+        WorkerEndpoints::parse(&format!("*=http://{addr}")).expect("endpoints"),
+    ));
+    harness
+        .wait_for(ActivationStatus::Processing, 1, Duration::from_secs(30))
+        .await;
+    pipeline.stop().await;
+    let received = recorder.received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1);
+    assert!(received[0] == sent, "pushed byte-identical");
+    assert_eq!(harness.pushes("ok"), 1);
+}
+
+on_both_backends!(a_six_mib_task_is_stored_and_pushed_byte_identical);

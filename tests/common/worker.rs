@@ -55,6 +55,29 @@ impl WorkerService for CountingHandler {
     }
 }
 
+/// A WorkerService that accepts every push and keeps the activations it
+/// was given, as their encoded bytes.
+#[derive(Clone, Default)]
+pub struct RecordingHandler {
+    pub received: Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for RecordingHandler {
+    async fn push_task(
+        &self,
+        request: tonic::Request<PushTaskRequest>,
+    ) -> Result<tonic::Response<PushTaskResponse>, tonic::Status> {
+        use prost::Message as _;
+        let task = request.into_inner().task.unwrap_or_default();
+        self.received
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(task.encode_to_vec());
+        Ok(tonic::Response::new(PushTaskResponse {}))
+    }
+}
+
 /// Serves `router` on `listener` in the background until the returned
 /// sender is dropped: the worker servers tests build themselves.
 pub fn serve_until_dropped(

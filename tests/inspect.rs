@@ -39,6 +39,13 @@ fn inspect(db: &TestStore, args: &[&str]) -> Value {
     serde_json::from_slice(&output.stdout).expect("inspect --json prints JSON")
 }
 
+/// `taskbroker inspect` as an operator reads it.
+fn inspect_text(db: &TestStore) -> String {
+    let output = run_inspect(db, &[]);
+    assert!(output.status.success());
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 on_both_backends!(inspect_counts_equal_the_table_and_show_one_task_decoded);
 
 async fn inspect_counts_equal_the_table_and_show_one_task_decoded(backend: Backend) {
@@ -73,6 +80,10 @@ async fn inspect_counts_equal_the_table_and_show_one_task_decoded(backend: Backe
     let mut with_args = of("args", "billing", "billing.charge");
     with_args.parameters_bytes = taskbroker::kafka::raw::msgpack_args(b"invoice-17");
     let mut rows = vec![row_from(&with_args)];
+    // One large task: its bytes show in the byte tables.
+    let mut large = of("large", "billing", "billing.refund");
+    large.parameters_bytes = vec![9; 3 << 20];
+    rows.push(row_from(&large));
     for i in 0..5 {
         rows.push(row_from(&of(&format!("b{i}"), "billing", "billing.charge")));
     }
@@ -92,7 +103,7 @@ async fn inspect_counts_equal_the_table_and_show_one_task_decoded(backend: Backe
         .map(|(status, count)| (status.to_ascii_lowercase(), json!(count)))
         .collect();
     assert_eq!(summary["by_status"], Value::Object(expected));
-    assert_eq!(summary["by_status"]["pending"], json!(11));
+    assert_eq!(summary["by_status"]["pending"], json!(12));
     assert_eq!(summary["by_status"]["claimed"], json!(2));
     // by_namespace from the rows, counted independently of the store.
     let mut by_namespace: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
@@ -111,8 +122,30 @@ async fn inspect_counts_equal_the_table_and_show_one_task_decoded(backend: Backe
     assert_eq!(summary["by_namespace"], json!(by_namespace));
     assert_eq!(
         summary["by_taskname"]["billing"]["billing.refund"],
-        json!({ "pending": 3 })
+        json!({ "pending": 4 })
     );
+    // Bytes by status and namespace: the stored activations' sizes.
+    let mut bytes_by_namespace: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let mut pending_bytes = 0;
+    for (id, (status, _)) in db.rows().await {
+        let row = store.get(&id).await.unwrap().expect("row");
+        let size = row.activation.len() as u64;
+        if status == "Pending" {
+            pending_bytes += size;
+        }
+        *bytes_by_namespace
+            .entry(row.namespace.clone())
+            .or_default()
+            .entry(status.to_ascii_lowercase())
+            .or_default() += size;
+    }
+    assert!(pending_bytes > 3 << 20);
+    assert_eq!(summary["bytes_by_status"]["pending"], json!(pending_bytes));
+    assert_eq!(summary["bytes_by_status"]["complete"], json!(0));
+    assert_eq!(summary["bytes_by_namespace"], json!(bytes_by_namespace));
+    let text = inspect_text(&db);
+    assert!(text.contains("of activations in the store"), "{text}");
+    assert!(text.contains("3.0 MiB"), "{text}");
     assert!(summary["oldest_pending_age_seconds"]["billing"].is_number());
     assert!(summary["oldest_pending_age_seconds"]["mail"].is_number());
     // The 5 s claim is near expiry; the 600 s one is not.

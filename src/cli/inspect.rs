@@ -112,7 +112,8 @@ fn age_seconds(now: DateTime<Utc>, at: DateTime<Utc>) -> f64 {
 }
 
 /// The `--json` summary: `by_status` (lowercase status → count, every
-/// status), `by_namespace` (namespace → status → count), `by_taskname`
+/// status), `by_namespace` (namespace → status → count), `bytes_by_status`
+/// and `bytes_by_namespace` (the same, in activation bytes), `by_taskname`
 /// (namespace → task name → status → count), `oldest_pending_age_seconds`
 /// (namespace → age) and `near_expiry` (soonest first).
 pub fn summary_json(inspection: &Inspection, now: DateTime<Utc>) -> Value {
@@ -129,6 +130,12 @@ pub fn summary_json(inspection: &Inspection, now: DateTime<Utc>) -> Value {
             .by_namespace()
             .iter()
             .map(|(namespace, counts)| (namespace.clone(), counts_json(counts)))
+            .collect::<serde_json::Map<_, _>>(),
+        "bytes_by_status": counts_json(&inspection.bytes_by_status()),
+        "bytes_by_namespace": inspection
+            .bytes_by_namespace()
+            .iter()
+            .map(|(namespace, bytes)| (namespace.clone(), counts_json(bytes)))
             .collect::<serde_json::Map<_, _>>(),
         "by_taskname": by_taskname,
         "oldest_pending_age_seconds": inspection
@@ -149,6 +156,22 @@ pub fn summary_json(inspection: &Inspection, now: DateTime<Utc>) -> Value {
             }))
             .collect::<Vec<_>>(),
     })
+}
+
+/// `1234` → `1.2 KiB`, in powers of 1024 (`0 B`, `512 B`, `8.0 MiB`).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
 }
 
 fn summary_text(inspection: &Inspection, now: DateTime<Utc>, near_secs: u64) -> String {
@@ -189,6 +212,32 @@ fn summary_text(inspection: &Inspection, now: DateTime<Utc>, near_secs: u64) -> 
         {
             let _ = writeln!(out, "  {taskname:<30} {}", row(counts));
         }
+    }
+    let bytes = inspection.bytes_by_status();
+    let sizes = |sums: &BTreeMap<ActivationStatus, u64>| -> String {
+        statuses
+            .iter()
+            .map(|status| {
+                format!(
+                    "{:>11}",
+                    human_bytes(sums.get(status).copied().unwrap_or(0))
+                )
+            })
+            .collect()
+    };
+    let _ = writeln!(
+        out,
+        "\n{} of activations in the store\n\n{:<32} {}",
+        human_bytes(bytes.values().sum()),
+        "namespace (bytes)",
+        header
+            .iter()
+            .map(|name| format!("{name:>11}"))
+            .collect::<String>()
+    );
+    let _ = writeln!(out, "{:<32} {}", "(all)", sizes(&bytes));
+    for (namespace, sums) in inspection.bytes_by_namespace() {
+        let _ = writeln!(out, "{namespace:<32} {}", sizes(&sums));
     }
     if inspection.near_expiry.is_empty() {
         let _ = writeln!(

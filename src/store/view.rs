@@ -15,14 +15,16 @@ use chrono::{DateTime, Utc};
 use super::StoreResult;
 use crate::model::{ActivationStatus, InflightActivation};
 
-/// Rows of one (status, namespace, task name), with the oldest Pending
-/// one's `received_at` where the status is Pending.
+/// Rows of one (status, namespace, task name) and their activations'
+/// bytes, with the oldest Pending one's `received_at` where the status is
+/// Pending.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupCount {
     pub status: ActivationStatus,
     pub namespace: String,
     pub taskname: String,
     pub count: u64,
+    pub bytes: u64,
     pub oldest_received: Option<DateTime<Utc>>,
 }
 
@@ -48,27 +50,48 @@ pub struct Inspection {
 impl Inspection {
     /// Rows per status, every status present (0 included).
     pub fn by_status(&self) -> BTreeMap<ActivationStatus, u64> {
-        let mut counts: BTreeMap<ActivationStatus, u64> = ActivationStatus::ALL
-            .into_iter()
-            .map(|status| (status, 0))
-            .collect();
-        for group in &self.groups {
-            *counts.entry(group.status).or_default() += group.count;
-        }
-        counts
+        self.per_status(|group| group.count)
+    }
+
+    /// Activation bytes per status, every status present (0 included).
+    pub fn bytes_by_status(&self) -> BTreeMap<ActivationStatus, u64> {
+        self.per_status(|group| group.bytes)
     }
 
     /// Rows per namespace and status (only the statuses it has).
     pub fn by_namespace(&self) -> BTreeMap<String, BTreeMap<ActivationStatus, u64>> {
-        let mut counts: BTreeMap<String, BTreeMap<ActivationStatus, u64>> = BTreeMap::new();
+        self.per_namespace(|group| group.count)
+    }
+
+    /// Activation bytes per namespace and status (only the statuses it has).
+    pub fn bytes_by_namespace(&self) -> BTreeMap<String, BTreeMap<ActivationStatus, u64>> {
+        self.per_namespace(|group| group.bytes)
+    }
+
+    fn per_status(&self, figure: impl Fn(&GroupCount) -> u64) -> BTreeMap<ActivationStatus, u64> {
+        let mut sums: BTreeMap<ActivationStatus, u64> = ActivationStatus::ALL
+            .into_iter()
+            .map(|status| (status, 0))
+            .collect();
         for group in &self.groups {
-            *counts
+            *sums.entry(group.status).or_default() += figure(group);
+        }
+        sums
+    }
+
+    fn per_namespace(
+        &self,
+        figure: impl Fn(&GroupCount) -> u64,
+    ) -> BTreeMap<String, BTreeMap<ActivationStatus, u64>> {
+        let mut sums: BTreeMap<String, BTreeMap<ActivationStatus, u64>> = BTreeMap::new();
+        for group in &self.groups {
+            *sums
                 .entry(group.namespace.clone())
                 .or_default()
                 .entry(group.status)
-                .or_default() += group.count;
+                .or_default() += figure(group);
         }
-        counts
+        sums
     }
 
     /// Rows per (namespace, task name) and status.

@@ -897,6 +897,7 @@ impl StoreView for PostgresStore {
                     taskname: row.get(2),
                     count: u64::try_from(row.get::<_, i64>(3)).unwrap_or(0),
                     oldest_received: row.get(4),
+                    bytes: u64::try_from(row.get::<_, i64>(5)).unwrap_or(0),
                 })
             })
             .collect::<StoreResult<Vec<_>>>()?;

@@ -487,7 +487,7 @@ pub(super) const GET: &str = concat!(
 // name with the oldest Pending row's received_at, and the claims and
 // deadlines due within `$1` microseconds, soonest first, at most `$2`.
 pub(super) const INSPECT_GROUPS: &str = "SELECT status, namespace, taskname, count(*)::int8, \
-       min(received_at) FILTER (WHERE status = 'Pending') \
+       min(received_at) FILTER (WHERE status = 'Pending'), sum(octet_length(activation))::int8 \
      FROM inflight_taskactivations GROUP BY status, namespace, taskname";
 
 pub(super) const INSPECT_NEAR_EXPIRY: &str = "SELECT id, namespace, taskname, status, due FROM ( \

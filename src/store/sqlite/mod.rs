@@ -351,6 +351,7 @@ impl StoreView for SqliteView {
                     taskname: row.get(2).map_err(failed)?,
                     count: u64::try_from(row.get::<_, i64>(3).map_err(failed)?).unwrap_or(0),
                     oldest_received: oldest.map(|micros| time("(count)", micros)).transpose()?,
+                    bytes: u64::try_from(row.get::<_, i64>(5).map_err(failed)?).unwrap_or(0),
                 });
             }
             let mut near_expiry = Vec::new();

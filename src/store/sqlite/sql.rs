@@ -362,7 +362,7 @@ pub(super) const GET: &str = concat!(
 // name with the oldest Pending row's received_at, and the claims and
 // deadlines due before `?1` (µs), soonest first, at most `?2`.
 pub(super) const INSPECT_GROUPS: &str = "SELECT status, namespace, taskname, count(*), \
-       min(CASE WHEN status = 'Pending' THEN received_at END) \
+       min(CASE WHEN status = 'Pending' THEN received_at END), sum(length(activation)) \
      FROM inflight_taskactivations GROUP BY status, namespace, taskname";
 
 pub(super) const INSPECT_NEAR_EXPIRY: &str = "SELECT id, namespace, taskname, status, due FROM ( \

@@ -76,6 +76,69 @@ fn e2e_push_on_postgres_delivers_every_task_once_and_counts_statements() {
     );
 }
 
+/// Tasks past the broker's default `MAX_ACTIVATION_BYTES`, given a larger
+/// one through `--broker-env`: each reaches a worker as produced.
+#[test]
+fn e2e_large_tasks_reach_the_workers_byte_identical() {
+    let out = bench(&[
+        "e2e",
+        "--tasks",
+        "20",
+        "--payload-bytes",
+        "1048576",
+        "--partitions",
+        "8",
+        "--workers",
+        "2",
+        "--broker-env",
+        "TASKBROKER_MAX_ACTIVATION_BYTES=2097152",
+        "--timeout-sec",
+        "120",
+    ]);
+    assert!(out.contains("byte-identical: 20 of 20 deliveries"), "{out}");
+    assert!(
+        out.contains("| push | PostgreSQL | burn-down 20 × 1 MiB |"),
+        "{out}"
+    );
+}
+
+/// With the workers away the consumer pauses at `MAX_INFLIGHT` (plus at
+/// most one insert batch), and once they come back every task is
+/// delivered.
+#[test]
+fn e2e_with_workers_away_pauses_the_consumer_then_delivers_everything() {
+    let out = bench(&[
+        "e2e",
+        "--store",
+        "sqlite",
+        "--workers-after-pause",
+        "--tasks",
+        "60",
+        "--payload-bytes",
+        "65536",
+        "--partitions",
+        "2",
+        "--workers",
+        "2",
+        "--broker-env",
+        "TASKBROKER_MAX_INFLIGHT=10",
+        "--broker-env",
+        "TASKBROKER_INSERT_BATCH_SIZE=4",
+        "--timeout-sec",
+        "120",
+    ]);
+    assert!(out.contains("partitions paused after"), "{out}");
+    let held: u64 = out
+        .split("the store held ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|rows| rows.parse().ok())
+        .unwrap_or_else(|| panic!("no rows held in {out}"));
+    assert!((10..=14).contains(&held), "{held} rows held:\n{out}");
+    assert!(out.contains("byte-identical: 60 of 60 deliveries"), "{out}");
+    assert!(out.contains("| SQLite | 60 × 64 KiB |"), "{out}");
+}
+
 #[test]
 fn e2e_pull_open_loop_on_sqlite_delivers_every_task_once() {
     let out = bench(&[

@@ -5,27 +5,40 @@
 //! workers are `taskbroker-bench workers` (push: WorkerService servers that
 //! report through SetBatchActivationStatus; pull: GetTask loops).
 //!
-//! - Burn-down (default): `--tasks N` are produced before the broker starts;
-//!   throughput is N over the time from the first delivery to the last
-//!   acknowledged report.
+//! - Burn-down (default): `--tasks N` are produced before the broker starts
+//!   (or, when they are more than the mock cluster keeps, as the broker
+//!   consumes them: feed.rs); throughput is N over the time from the first
+//!   delivery to the last acknowledged report.
 //! - Open loop (`--rate R`): the broker starts first; once its consumer has
 //!   partitions, R tasks/s are produced for `--duration-sec`, whatever the
 //!   broker does, and the run waits for all of them to finish.
+//! - Workers away (`--workers-after-pause`, a burn-down): the workers start
+//!   only once the store has filled and the consumer paused (hold.rs).
+//!
+//! Tasks carry `--payload-bytes` of parameters (payload.rs), and the
+//! workers check each delivery is byte for byte what was produced; a run
+//! with a mismatch or a missing task fails. `--broker-env` adds broker
+//! settings, `--broker-bin` runs another build of the broker.
 //!
 //! Reported: tasks/s, received→delivered and received→completed latency
 //! (p50/p99/p99.9/max, from each task's `received_at`), the broker's peak
 //! RSS and CPU seconds per 1,000 tasks, the other processes' CPU, and with
 //! PostgreSQL the statements (pg_stat_statements) and WAL bytes per task.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::feed::{Backlog, Feed, MOCK_PARTITION_BYTES, Pacing, Producer};
 use crate::harness::{
-    BrokerProcess, Kafka, Producer, Scratch, Services, StoreKind, Topics, WorkersProcess,
-    broker_env, run_id,
+    BrokerProcess, Kafka, Scratch, Services, StoreKind, Topics, WorkersProcess, broker_env,
+    free_port, run_id,
 };
+use crate::hold::{Held, StoreWatch, mib, wait_for_pause};
+use crate::payload::{self, Parameters};
 use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
 use crate::scrape::metric;
+use crate::storesize::StoreProbe;
 use crate::workers::Delivery;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -57,10 +70,24 @@ pub struct E2eArgs {
     /// Share of tasks the workers report as FAILURE.
     #[arg(long, default_value_t = 0.0)]
     pub failure_rate: f64,
-    /// Partitions of the topic (the mock cluster keeps about 32,000
-    /// records per partition, so a burn-down needs N / 25,000 or more).
+    /// Partitions of the topic (the mock cluster keeps 5 MiB per
+    /// partition, about 32,000 small tasks: feed.rs says what a burn-down
+    /// needs).
     #[arg(long, default_value_t = 8)]
     pub partitions: i32,
+    /// Bytes of incompressible parameters (`parameters_bytes`) per task,
+    /// made from its id so the workers can check them; default the small
+    /// task of before (64 bytes).
+    #[arg(long)]
+    pub payload_bytes: Option<usize>,
+    /// A setting for the broker, on top of the harness's and the
+    /// environment's: `--broker-env TASKBROKER_MAX_INFLIGHT=50`, repeatable.
+    #[arg(long = "broker-env", value_name = "KEY=VALUE", value_parser = setting)]
+    pub broker_env: Vec<(String, String)>,
+    /// Start the workers only once the broker's consumer has paused and
+    /// its store stopped growing; report what the store held then.
+    #[arg(long)]
+    pub workers_after_pause: bool,
     #[command(flatten)]
     pub services: Services,
     /// Give up after this long.
@@ -96,22 +123,31 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         args.partitions,
     )?;
     let open_loop = args.rate.is_some();
-    let producer = Producer::new(
-        &kafka.brokers,
+    if args.workers_after_pause && (open_loop || args.broker_command.is_some()) {
+        return Err(
+            "--workers-after-pause is a burn-down that reads the broker's /metrics: not with --rate or --broker-command"
+                .to_owned(),
+        );
+    }
+    let parameters = Parameters::from_flag(args.payload_bytes);
+    let producer = Arc::new(Producer::new(
+        &kafka,
         topic,
         args.partitions,
         args.linger_ms.unwrap_or(if open_loop { 1 } else { 5 }),
-    )?;
-    if args.services.kafka_brokers.is_none()
-        && !open_loop
-        && args.tasks / args.partitions.max(1) as u64 > 25_000
-    {
-        return Err(format!(
-            "the mock cluster keeps about 32,000 records per partition: use --partitions {} or more for {} tasks",
-            args.tasks.div_ceil(25_000),
-            args.tasks
-        ));
-    }
+        parameters,
+    )?);
+    let backlog = if open_loop {
+        None
+    } else {
+        Some(Backlog::plan(
+            kafka.is_mock(),
+            args.tasks,
+            producer.partitions(),
+            payload::encoded_len(parameters),
+            args.workers_after_pause,
+        )?)
+    };
 
     let worker_args = |extra: &[String]| -> Vec<String> {
         let mut list = vec![
@@ -124,6 +160,9 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
             "--failure-rate".to_owned(),
             args.failure_rate.to_string(),
         ];
+        if let Some(bytes) = parameters.as_flag() {
+            list.extend(["--payload-bytes".to_owned(), bytes.to_string()]);
+        }
         list.extend_from_slice(extra);
         list
     };
@@ -134,13 +173,20 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     // where to report before it starts.
     let external_grpc: Option<std::net::SocketAddr> = match &args.broker_command {
         Some(_) => Some(
-            format!("127.0.0.1:{}", crate::harness::free_port()?)
+            format!("127.0.0.1:{}", free_port()?)
                 .parse()
                 .map_err(|err| format!("{err}"))?,
         ),
         None => None,
     };
+    // Push workers kept away get their ports now, so the broker has its
+    // endpoints; until they start, its pushes are refused.
+    let away_ports = match (args.mode, args.workers_after_pause) {
+        (Delivery::Push, true) => free_ports(args.workers.max(1))?,
+        _ => Vec::new(),
+    };
     let mut workers = match (args.mode, external_grpc) {
+        _ if args.workers_after_pause => None,
         (Delivery::Push, Some(grpc)) => Some(WorkersProcess::start(&worker_args(&[
             "--broker".to_owned(),
             grpc.to_string(),
@@ -148,32 +194,53 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         (Delivery::Push, None) => Some(WorkersProcess::start(&worker_args(&[]))?),
         (Delivery::Pull, _) => None,
     };
+    let worker_urls: Vec<String> = match &workers {
+        Some(workers) => workers.urls.clone(),
+        None => away_ports
+            .iter()
+            .map(|port| format!("http://127.0.0.1:{port}"))
+            .collect(),
+    };
 
-    if !open_loop {
-        eprintln!("producing {} tasks to {topic}…", args.tasks);
-        for _ in 0..args.tasks {
-            producer.send()?;
+    let feed = match backlog {
+        Some(backlog) => {
+            eprintln!(
+                "producing {} tasks of {} bytes to {topic}…",
+                args.tasks,
+                payload::encoded_len(parameters)
+            );
+            Some(Feed::start(
+                Arc::clone(&producer),
+                &kafka.brokers,
+                topic,
+                &topics.group,
+                args.tasks,
+                backlog,
+            )?)
         }
-        producer.flush()?;
-    }
+        None => None,
+    };
 
     let mut env = broker_env(scratch, &kafka, &topics);
     env.push((
         "TASKBROKER_DELIVERY_MODE".to_owned(),
         args.mode.as_str().to_owned(),
     ));
-    if let Some(workers) = &workers {
+    if args.mode == Delivery::Push {
         env.push((
             "TASKBROKER_WORKER_ENDPOINTS".to_owned(),
-            format!("*={}", workers.urls.join("|")),
+            format!("*={}", worker_urls.join("|")),
         ));
     }
+    // Last, so they win over the harness's own.
+    env.extend(args.broker_env.iter().cloned());
     let broker = match (&args.broker_command, external_grpc) {
         (Some(command), Some(grpc)) => {
             BrokerProcess::start_external(command, &env, run, grpc).await?
         }
-        _ => BrokerProcess::start(&env, run).await?,
+        _ => BrokerProcess::start(&args.services, &env, run).await?,
     };
+    let broker_started = Instant::now();
     eprintln!(
         "{} pid {} (metrics http://{}/metrics, log {}){}",
         if broker.is_external() {
@@ -189,15 +256,6 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
             Scratch::Sqlite { path } => format!(", store {}", path.display()),
         }
     );
-    if workers.is_none() {
-        workers = Some(WorkersProcess::start(&worker_args(&[
-            "--broker".to_owned(),
-            broker.grpc.to_string(),
-        ]))?);
-    }
-    let Some(workers) = workers else {
-        return Err("no workers".to_owned());
-    };
     let pg = match scratch {
         Scratch::Postgres {
             admin_url, name, ..
@@ -205,10 +263,38 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         Scratch::Sqlite { .. } => None,
     };
     let before_metrics = broker.scrape().await?;
-    let cpu = CpuMarks::take(&broker, &workers);
+    let cpu = CpuMarks::take(&broker, workers.as_ref());
+    let deadline = broker_started + Duration::from_secs(args.timeout_sec);
 
-    let started = Instant::now();
-    let deadline = started + Duration::from_secs(args.timeout_sec);
+    let mut watch = if args.workers_after_pause {
+        Some(StoreWatch::new(StoreProbe::open(scratch).await?))
+    } else {
+        None
+    };
+    let held = match &mut watch {
+        Some(watch) => {
+            Some(wait_for_pause(&broker, watch, args.tasks, broker_started, deadline).await?)
+        }
+        None => None,
+    };
+    if workers.is_none() {
+        let place = match args.mode {
+            Delivery::Push => [
+                "--ports".to_owned(),
+                away_ports
+                    .iter()
+                    .map(u16::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ],
+            Delivery::Pull => ["--broker".to_owned(), broker.grpc.to_string()],
+        };
+        workers = Some(WorkersProcess::start(&worker_args(&place))?);
+    }
+    let Some(workers) = workers else {
+        return Err("no workers".to_owned());
+    };
+
     let produced_total = match args.rate {
         None => args.tasks,
         Some(rate) => {
@@ -239,10 +325,22 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         }
     };
     let mut last_progress = Instant::now();
+    let mut last_moved = (Instant::now(), workers.delivered(), workers.reported());
     while workers.reported() < produced_total {
         if Instant::now() > deadline {
             return Err(format!(
                 "timed out: {} of {produced_total} tasks completed (broker log: {})",
+                workers.reported(),
+                broker.log.display()
+            ));
+        }
+        let now = (workers.delivered(), workers.reported());
+        if now != (last_moved.1, last_moved.2) {
+            last_moved = (Instant::now(), now.0, now.1);
+        } else if last_moved.0.elapsed() > STALLED {
+            return Err(format!(
+                "stalled: nothing delivered or completed for {} s, {} of {produced_total} tasks completed (broker log: {})",
+                STALLED.as_secs(),
                 workers.reported(),
                 broker.log.display()
             ));
@@ -255,9 +353,16 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
             );
             last_progress = Instant::now();
         }
+        if let Some(watch) = &mut watch {
+            watch.sample_if_due(&broker).await?;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let wall = started.elapsed();
+    let wall = broker_started.elapsed();
+    let pacing = match feed {
+        Some(feed) => Some((feed.up_front(), feed.finish()?)),
+        None => None,
+    };
     let used = cpu.since(&broker, &workers);
     let rss_kib = procstat::peak_rss_kib(&broker.pid());
     let after_metrics = broker.scrape().await?;
@@ -307,6 +412,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         args.latency_ms,
         args.failure_rate * 100.0
     );
+    print_tasks(args, &producer, tasks, pacing);
     println!(
         "  throughput: {throughput:.0} tasks/s (first delivery to last report: {busy_secs:.2} s; whole run {:.1} s)",
         wall.as_secs_f64()
@@ -334,6 +440,17 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         get("failed"),
         get("report_errors")
     );
+    let mismatched = get("mismatched");
+    println!(
+        "  byte-identical: {} of {} deliveries{}",
+        get("identical"),
+        get("delivered"),
+        if mismatched > 0 {
+            format!(" ({mismatched} NOT as produced)")
+        } else {
+            String::new()
+        }
+    );
     let per_k = |secs: f64| secs * 1000.0 / tasks.max(1) as f64;
     println!(
         "  broker: peak RSS {:.1} MiB, CPU {:.1} s ({:.3} s per 1,000 tasks)",
@@ -350,6 +467,9 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         used.machine,
         wall.as_secs_f64() * 2.0
     );
+    if let (Some(held), Some(watch)) = (&held, &watch) {
+        print_held(args, &env, held, watch);
+    }
     println!(
         "  pushes by result: {}",
         crate::scrape::push_results(&before_metrics, &after_metrics)
@@ -394,9 +514,16 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         "| {} | {} | {} | {throughput:.0} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} / {:.1} | {statements} | {wal} | {:.1} | {:.3} |",
         args.mode.as_str(),
         args.store.as_str(),
-        match args.rate {
-            None => format!("burn-down {tasks}"),
-            Some(rate) => format!("open {rate}/s × {} s", args.duration_sec),
+        match (args.rate, parameters) {
+            (None, parameters) => format!(
+                "burn-down {tasks}{}{}",
+                match parameters {
+                    Parameters::Small => String::new(),
+                    Parameters::Random(bytes) => format!(" × {}", size(bytes)),
+                },
+                if held.is_some() { ", workers away" } else { "" }
+            ),
+            (Some(rate), _) => format!("open {rate}/s × {} s", args.duration_sec),
         },
         ms("deliver_p50_us"),
         ms("deliver_p99_us"),
@@ -407,6 +534,33 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         rss_kib as f64 / 1024.0,
         per_k(used.broker)
     );
+    if let (Some(held), Some(watch)) = (&held, &watch) {
+        println!(
+            "\n| store | tasks | workers away: paused after s | store then MiB (rows) | store peak MiB | taskbroker_inflight_bytes MiB | broker peak RSS MiB | broker CPU s/1k | delivered |"
+        );
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "| {} | {tasks} × {} | {:.1} | {:.1} ({}) | {:.1} | {} | {:.1} | {:.3} | {} of {tasks} |",
+            args.store.as_str(),
+            size(parameters.len()),
+            held.after.as_secs_f64(),
+            mebibytes(held.store.activation_bytes),
+            held.store.rows,
+            mebibytes(watch.peak.activation_bytes),
+            held.inflight_bytes.map_or("n/a".to_owned(), |b| format!(
+                "{:.1}",
+                b / f64::from(1 << 20)
+            )),
+            rss_kib as f64 / 1024.0,
+            per_k(used.broker),
+            get("unique")
+        );
+    }
+    if mismatched > 0 {
+        return Err(format!(
+            "{mismatched} deliveries were not byte-identical to what was produced"
+        ));
+    }
     if get("unique") < tasks {
         return Err(format!(
             "only {} of {tasks} tasks reached a worker",
@@ -415,6 +569,145 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
     }
     Ok(())
 }
+
+/// What was produced, and how: the tasks' size, the up-front or paced
+/// backlog (feed.rs), the settings given to the broker.
+fn print_tasks(
+    args: &E2eArgs,
+    producer: &Producer,
+    tasks: u64,
+    pacing: Option<(u64, Option<Pacing>)>,
+) {
+    let parameters = Parameters::from_flag(args.payload_bytes);
+    let produced = match pacing {
+        None => String::new(),
+        Some((_, None)) => "; all produced before the broker started".to_owned(),
+        Some((up_front, Some(pacing))) => format!(
+            "; {up_front} produced before the broker started, the rest as its consumer committed, \
+             at most {} unconsumed per partition (the mock cluster keeps {}); Kafka held nothing \
+             unconsumed at {} of {} polls",
+            pacing.ahead,
+            mib(MOCK_PARTITION_BYTES as u64),
+            pacing.dry_polls,
+            pacing.polls
+        ),
+    };
+    println!(
+        "  tasks: {tasks}, parameters {} each (records up to {} bytes{}){produced}",
+        size(parameters.len()),
+        payload::encoded_len(parameters),
+        if producer.sends_spacers() {
+            ", each followed by an expired spacer the broker drops: feed.rs"
+        } else {
+            ""
+        }
+    );
+    if !args.broker_env.is_empty() {
+        let given: Vec<String> = args
+            .broker_env
+            .iter()
+            .map(|(key, value)| format!("{key}={value}"))
+            .collect();
+        println!("  broker settings given: {}", given.join(" "));
+    }
+}
+
+/// `--workers-after-pause`: what the store held with the workers away.
+fn print_held(args: &E2eArgs, env: &[(String, String)], held: &Held, watch: &StoreWatch) {
+    let task_bytes = Parameters::from_flag(args.payload_bytes).len();
+    let files = |store: &crate::storesize::StoreSize| {
+        store
+            .file_bytes
+            .map_or(String::new(), |bytes| format!(", files {}", mib(bytes)))
+    };
+    println!(
+        "  workers away: {} after {:.1} s; the store held {} rows, {} of activations{}; broker RSS then {}",
+        if held.paused_partitions > 0.0 {
+            format!("{} partitions paused", held.paused_partitions)
+        } else {
+            "the consumer never paused (the store took every task)".to_owned()
+        },
+        held.after.as_secs_f64(),
+        held.store.rows,
+        mib(held.store.activation_bytes),
+        files(&held.store),
+        mib(held.broker_rss_kib * 1024)
+    );
+    println!(
+        "  store peak over the run: {} of activations ({} rows{}); taskbroker_inflight_bytes at the pause {}, peak {}",
+        mib(watch.peak.activation_bytes),
+        watch.peak.rows,
+        files(&watch.peak),
+        held.inflight_bytes
+            .map_or("n/a".to_owned(), |bytes| mib(bytes as u64)),
+        watch
+            .peak_inflight_bytes
+            .map_or("n/a".to_owned(), |bytes| mib(bytes as u64)),
+    );
+    // The bound the broker was given, and how far past it the store went
+    // (an insert batch may land on top of it).
+    let setting = |name: &str| {
+        env.iter()
+            .rev()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+            .or_else(|| std::env::var(name).ok())
+    };
+    if let Some(bound) =
+        setting("TASKBROKER_MAX_INFLIGHT_BYTES").and_then(|v| v.parse::<u64>().ok())
+    {
+        let over = watch.peak.activation_bytes.saturating_sub(bound);
+        println!(
+            "  TASKBROKER_MAX_INFLIGHT_BYTES {}: the peak is {} over it ({:.1} tasks of {})",
+            mib(bound),
+            mib(over),
+            over as f64 / task_bytes.max(1) as f64,
+            size(task_bytes)
+        );
+    }
+    if let Some(rows) = setting("TASKBROKER_MAX_INFLIGHT") {
+        println!("  TASKBROKER_MAX_INFLIGHT {rows} rows");
+    }
+}
+
+/// Bytes as the table shows them: MiB, one decimal.
+fn mebibytes(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+/// A size as given: `4 MiB`, `1 KiB`, `1000 B`.
+fn size(bytes: usize) -> String {
+    match bytes {
+        0 => "0 B".to_owned(),
+        b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+/// `--broker-env KEY=VALUE`.
+fn setting(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+        _ => Err(format!("{text:?} is not KEY=VALUE")),
+    }
+}
+
+/// `count` distinct free loopback ports.
+fn free_ports(count: usize) -> Result<Vec<u16>, String> {
+    let mut ports = Vec::with_capacity(count);
+    while ports.len() < count {
+        let port = free_port()?;
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    Ok(ports)
+}
+
+/// How long a run may go without a delivery or a report before it is given
+/// up (tasks lost on the way would otherwise keep it to `--timeout-sec`).
+const STALLED: Duration = Duration::from_secs(60);
 
 /// CPU seconds used by each party since [`CpuMarks::take`].
 struct CpuMarks {
@@ -425,17 +718,18 @@ struct CpuMarks {
 }
 
 impl CpuMarks {
-    fn take(broker: &BrokerProcess, workers: &WorkersProcess) -> CpuMarks {
+    /// Now; workers not started yet count from 0.
+    fn take(broker: &BrokerProcess, workers: Option<&WorkersProcess>) -> CpuMarks {
         CpuMarks {
             broker: procstat::cpu_seconds(&broker.pid()),
-            workers: workers.cpu_seconds(),
+            workers: workers.map_or(0.0, WorkersProcess::cpu_seconds),
             harness: procstat::cpu_seconds("self"),
             machine: procstat::machine_busy_seconds(),
         }
     }
 
     fn since(&self, broker: &BrokerProcess, workers: &WorkersProcess) -> CpuMarks {
-        let now = CpuMarks::take(broker, workers);
+        let now = CpuMarks::take(broker, Some(workers));
         CpuMarks {
             broker: now.broker - self.broker,
             workers: now.workers - self.workers,

@@ -16,7 +16,8 @@ use taskbroker::store::{
     ActivationStore, PostgresStore, PostgresStoreConfig, SqliteStore, SqliteStoreConfig,
 };
 
-use crate::harness::{Scratch, StoreKind, activation, run_id};
+use crate::harness::{Scratch, StoreKind, run_id};
+use crate::payload::{Parameters, activation};
 use crate::pgstat::{PgCounters, print_top_statements};
 use crate::procstat;
 
@@ -147,7 +148,7 @@ async fn one_loop(
             let n = (tasks - start).min(batch as u64) as usize;
             let rows = (0..n)
                 .map(|i| {
-                    let bytes = prost::Message::encode_to_vec(&activation());
+                    let bytes = prost::Message::encode_to_vec(&activation(Parameters::Small));
                     let position = KafkaPosition {
                         topic: "floor".to_owned(),
                         partition: 0,

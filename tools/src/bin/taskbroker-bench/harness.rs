@@ -1,25 +1,26 @@
 //! The pieces the multi-process scenarios (`e2e`, `stranded`) are built
 //! from: Kafka (the in-process mock cluster or a real one), a scratch store,
 //! the broker as a child process (the real `taskbroker` binary), the
-//! workers as another child process, and a producer. PostgreSQL's own
-//! counters are in pgstat.rs.
+//! workers as another child process. The producer and what it sends are
+//! in feed.rs and payload.rs, PostgreSQL's own counters in pgstat.rs.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
-use taskbroker::proto::{RetryState, TaskActivation};
+use rdkafka::producer::DefaultProducerContext;
 
+use crate::feed::Producer;
+use crate::payload::Parameters;
 use crate::scrape::{http_get, metric};
 use crate::{connect, replace_database};
 
@@ -58,13 +59,19 @@ impl Kafka {
     /// received→delivered at 500 tasks/s with the default, 39 ms with 5 ms.
     /// So against the mock the wait is shortened to 5 ms.
     pub fn broker_env(&self) -> Vec<(String, String)> {
-        if self._cluster.is_none() || std::env::var_os("TASKBROKER_KAFKA_CONFIG").is_some() {
+        if !self.is_mock() || std::env::var_os("TASKBROKER_KAFKA_CONFIG").is_some() {
             return Vec::new();
         }
         vec![(
             "TASKBROKER_KAFKA_CONFIG".to_owned(),
             "fetch.wait.max.ms=5".to_owned(),
         )]
+    }
+
+    /// Whether this is the mock cluster (which keeps 5 MiB per partition:
+    /// feed.rs).
+    pub fn is_mock(&self) -> bool {
+        self._cluster.is_some()
     }
 
     pub fn start(brokers: Option<&str>, topics: &[&str], partitions: i32) -> Result<Kafka, String> {
@@ -119,87 +126,6 @@ fn create_topics(brokers: &str, topics: &[&str], partitions: i32) -> Result<(), 
         }
     }
     Ok(())
-}
-
-/// Produces bench activations, `received_at` = the moment each is sent.
-/// Spreads records over the partitions round-robin: the mock cluster keeps
-/// only about 32,000 records per partition (older segments are deleted,
-/// consumed or not; seen as a burn-down that lost the first 6,838 records
-/// of a partition that held 39,545), so a burn-down must stay below that
-/// per partition.
-pub struct Producer {
-    inner: ThreadedProducer<DefaultProducerContext>,
-    topic: String,
-    partitions: i32,
-    next: std::sync::atomic::AtomicI32,
-}
-
-impl Producer {
-    pub fn new(
-        brokers: &str,
-        topic: &str,
-        partitions: i32,
-        linger_ms: u64,
-    ) -> Result<Producer, String> {
-        let inner = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
-            .set("linger.ms", linger_ms.to_string())
-            .set("queue.buffering.max.messages", "1000000")
-            .set("queue.buffering.max.kbytes", "1048576")
-            .create()
-            .map_err(|err| format!("cannot create a producer: {err}"))?;
-        Ok(Producer {
-            inner,
-            topic: topic.to_owned(),
-            partitions: partitions.max(1),
-            next: std::sync::atomic::AtomicI32::new(0),
-        })
-    }
-
-    pub fn send(&self) -> Result<(), String> {
-        let payload = prost::Message::encode_to_vec(&activation());
-        let partition = self
-            .next
-            .fetch_add(1, Ordering::Relaxed)
-            .rem_euclid(self.partitions);
-        loop {
-            let record = BaseRecord::<(), [u8]>::to(&self.topic)
-                .partition(partition)
-                .payload(&payload[..]);
-            match self.inner.send(record) {
-                Ok(()) => return Ok(()),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err((err, _)) => return Err(format!("produce: {err}")),
-            }
-        }
-    }
-
-    pub fn flush(&self) -> Result<(), String> {
-        self.inner
-            .flush(Duration::from_secs(60))
-            .map_err(|err| format!("flushing the producer: {err}"))
-    }
-}
-
-/// The activation every scenario produces: a no-op task of the `bench`
-/// application, one attempt, 60 s processing deadline.
-pub fn activation() -> TaskActivation {
-    TaskActivation {
-        id: uuid::Uuid::new_v4().simple().to_string(),
-        namespace: "bench".to_owned(),
-        taskname: "bench.noop".to_owned(),
-        parameters_bytes: vec![0x80; 64],
-        received_at: Some(prost_types::Timestamp::from(SystemTime::now())),
-        retry_state: Some(RetryState {
-            max_attempts: 1,
-            ..Default::default()
-        }),
-        processing_deadline_duration: 60,
-        application: Some("bench".to_owned()),
-        ..Default::default()
-    }
 }
 
 /// A fresh store for one run: a scratch PostgreSQL database, or a scratch
@@ -315,7 +241,7 @@ pub fn inflow(
 ) -> Result<(Topics, Kafka, Producer), String> {
     let topics = Topics::new(prefix, run);
     let kafka = Kafka::start(brokers, &[&topics.topic, &topics.dlq], partitions)?;
-    let producer = Producer::new(&kafka.brokers, &topics.topic, partitions, 1)?;
+    let producer = Producer::new(&kafka, &topics.topic, partitions, 1, Parameters::Small)?;
     Ok((topics, kafka, producer))
 }
 
@@ -348,19 +274,14 @@ pub fn free_port() -> Result<u16, String> {
         .map_err(|err| format!("no free port: {err}"))
 }
 
-/// The `taskbroker` binary built beside this one (`cargo build --release`
-/// builds both), or the one `TASKBROKER_BENCH_BROKER` names (another build,
-/// to compare two builds with the same harness).
-fn broker_binary() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("TASKBROKER_BENCH_BROKER") {
-        let broker = PathBuf::from(path);
+/// `chosen` (`--broker-bin`), or else the `taskbroker` binary built beside
+/// this one (`cargo build --release` builds both).
+fn broker_binary(chosen: Option<&Path>) -> Result<PathBuf, String> {
+    if let Some(broker) = chosen {
         return if broker.is_file() {
-            Ok(broker)
+            Ok(broker.to_owned())
         } else {
-            Err(format!(
-                "TASKBROKER_BENCH_BROKER: {} is not a file",
-                broker.display()
-            ))
+            Err(format!("--broker-bin: {} is not a file", broker.display()))
         };
     }
     let me = std::env::current_exe().map_err(|err| err.to_string())?;
@@ -387,9 +308,14 @@ pub struct BrokerProcess {
 }
 
 impl BrokerProcess {
-    /// Starts `taskbroker run` with the user's environment plus `env`, and
-    /// waits for `/health`. `TASKBROKER_LOG` defaults to `warn`.
-    pub async fn start(env: &[(String, String)], run: &str) -> Result<BrokerProcess, String> {
+    /// Starts `taskbroker run` (the binary `services` name) with the user's
+    /// environment plus `env`, and waits for `/health`. `TASKBROKER_LOG`
+    /// defaults to `warn`.
+    pub async fn start(
+        services: &Services,
+        env: &[(String, String)],
+        run: &str,
+    ) -> Result<BrokerProcess, String> {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()?)
             .parse()
             .map_err(|err| format!("{err}"))?;
@@ -398,7 +324,7 @@ impl BrokerProcess {
             .map_err(|err| format!("{err}"))?;
         let log = std::env::temp_dir().join(format!("taskbroker-bench-{run}-{}.log", grpc.port()));
         let log_file = std::fs::File::create(&log).map_err(|err| err.to_string())?;
-        let mut command = Command::new(broker_binary()?);
+        let mut command = Command::new(broker_binary(services.broker_bin.as_deref())?);
         command
             .arg("run")
             .env_remove("TASKBROKER_DATABASE_URL")
@@ -730,8 +656,8 @@ impl Drop for WorkersProcess {
     }
 }
 
-/// The services a scenario runs against, the same flags for every scenario
-/// that uses both.
+/// The services a scenario runs against, and the broker binary it runs:
+/// the same flags for every scenario that starts brokers.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Services {
     /// A real Kafka instead of the in-process mock cluster.
@@ -744,4 +670,8 @@ pub struct Services {
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub admin_url: String,
+    /// The broker binary to run: another build, to compare two builds with
+    /// the same harness. Default: the `taskbroker` beside this binary.
+    #[arg(long, env = "TASKBROKER_BENCH_BROKER")]
+    pub broker_bin: Option<PathBuf>,
 }

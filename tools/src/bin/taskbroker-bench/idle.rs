@@ -52,7 +52,7 @@ pub async fn run(args: IdleArgs) -> Result<(), String> {
                 "TASKBROKER_BROKER_ID".to_owned(),
                 format!("bench-idle-{index}"),
             ));
-            brokers.push(BrokerProcess::start(&env, run).await?);
+            brokers.push(BrokerProcess::start(&args.services, &env, run).await?);
         }
         for broker in &brokers {
             broker.wait_assigned(Duration::from_secs(60)).await?;

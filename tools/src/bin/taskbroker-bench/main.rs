@@ -24,18 +24,23 @@
 //! mock cluster, then times the ConsumerActor storing all of them.
 //!
 //! `sqlite-soak` is in soak.rs; the three-process scenarios in e2e.rs,
-//! floor.rs and stranded.rs.
+//! floor.rs and stranded.rs (what they produce: payload.rs and feed.rs;
+//! e2e's workers-away step: hold.rs and storesize.rs).
 
 mod demo;
 mod e2e;
+mod feed;
 mod floor;
 mod harness;
+mod hold;
 mod idle;
+mod payload;
 mod pgstat;
 mod procstat;
 mod recovery;
 mod scrape;
 mod soak;
+mod storesize;
 mod stranded;
 mod workers;
 

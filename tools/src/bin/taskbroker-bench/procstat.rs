@@ -2,12 +2,22 @@
 
 /// Peak resident set size (VmHWM) of `pid` (`"self"` or a number), KiB.
 pub fn peak_rss_kib(pid: &str) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+/// Resident set size now (VmRSS) of `pid`, KiB.
+pub fn rss_kib(pid: &str) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// A `kB` field of `/proc/<pid>/status`; 0 if there is none.
+fn status_kib(pid: &str, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             status
                 .lines()
-                .find(|line| line.starts_with("VmHWM:"))
+                .find(|line| line.starts_with(field))
                 .and_then(|line| line.split_whitespace().nth(1))
                 .and_then(|kib| kib.parse().ok())
         })

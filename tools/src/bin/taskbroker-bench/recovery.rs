@@ -124,8 +124,8 @@ async fn run_in(
         env.push(("TASKBROKER_BROKER_ID".to_owned(), id.to_owned()));
         env
     };
-    let victim = BrokerProcess::start(&with_id(VICTIM), run).await?;
-    let peer = BrokerProcess::start(&with_id(PEER), &format!("{run}-peer")).await?;
+    let victim = BrokerProcess::start(&args.services, &with_id(VICTIM), run).await?;
+    let peer = BrokerProcess::start(&args.services, &with_id(PEER), &format!("{run}-peer")).await?;
     victim.wait_assigned(Duration::from_secs(60)).await?;
     peer.wait_assigned(Duration::from_secs(60)).await?;
     let db = connect(url).await?;

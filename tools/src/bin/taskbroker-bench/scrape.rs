@@ -8,6 +8,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Sum of every series of `name` whose labels contain `labels` (`""`: all).
 pub fn metric(text: &str, name: &str, labels: &str) -> f64 {
+    metric_if_present(text, name, labels).unwrap_or(0.0)
+}
+
+/// As [`metric`], but `None` when no such series is exposed (a broker
+/// without that metric, to be told apart from one at 0).
+pub fn metric_if_present(text: &str, name: &str, labels: &str) -> Option<f64> {
     text.lines()
         .filter(|line| !line.starts_with('#'))
         .filter_map(|line| {
@@ -19,7 +25,7 @@ pub fn metric(text: &str, name: &str, labels: &str) -> f64 {
             (series_name == name && series_labels.contains(labels)).then_some(value)
         })
         .filter_map(|value| value.parse::<f64>().ok())
-        .sum()
+        .fold(None, |sum, value| Some(sum.unwrap_or(0.0) + value))
 }
 
 /// The `q` quantile (0..1) of the events a histogram series recorded

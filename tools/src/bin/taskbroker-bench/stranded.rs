@@ -156,7 +156,7 @@ async fn run_in(
         .div_ceil(config.push_concurrency.max(1)) as u32;
     let legitimate = config.push_queue_timeout + config.push_timeout * (1 + rounds);
 
-    let broker = BrokerProcess::start(&env, run).await?;
+    let broker = BrokerProcess::start(&args.services, &env, run).await?;
     if args.no_release_on_full {
         confirm_release_on_full_is_off(&broker)?;
     }

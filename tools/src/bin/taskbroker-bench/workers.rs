@@ -16,6 +16,13 @@
 //! process after one `summary key=value ...` line with the latencies, as
 //! seen from the task's `received_at` (set by the producer) on this
 //! machine's clock.
+//!
+//! Every delivered task is checked against what was produced: the whole
+//! activation rebuilt from its id and `received_at`, its parameters
+//! regenerated from the id (`--payload-bytes`, payload.rs), and counted
+//! as identical or mismatched. Servers and clients take messages of up to
+//! [`MAX_MESSAGE_BYTES`], so the largest tasks reach the check rather
+//! than a size refusal.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -35,6 +42,12 @@ use tokio::sync::{Semaphore, mpsc};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
+
+use crate::payload::{Parameters, is_as_produced};
+
+/// Largest gRPC message a worker takes (tonic's default is 4 MiB): twice
+/// the 8 MiB activations issue 32 lets the broker carry.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkersArgs {
@@ -64,6 +77,10 @@ pub struct WorkersArgs {
     /// Most updates in one SetBatchActivationStatus call (push mode).
     #[arg(long, default_value_t = 100)]
     pub report_batch: usize,
+    /// The tasks' parameters are this many bytes made from their ids
+    /// (payload.rs); default the small parameters of `e2e` without it.
+    #[arg(long)]
+    pub payload_bytes: Option<usize>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +112,9 @@ struct Stats {
     completion: Mutex<Vec<u64>>,
     seen: Mutex<HashSet<u64>>,
     duplicates: AtomicU64,
+    /// Deliveries byte for byte as produced, and the others.
+    identical: AtomicU64,
+    mismatched: AtomicU64,
 }
 
 impl Stats {
@@ -110,12 +130,26 @@ impl Stats {
             completion: Mutex::new(Vec::new()),
             seen: Mutex::new(HashSet::new()),
             duplicates: AtomicU64::new(0),
+            identical: AtomicU64::new(0),
+            mismatched: AtomicU64::new(0),
         }
     }
 
-    fn delivered(&self, task: &TaskActivation) -> u64 {
+    /// Counts a delivery, checking it against what was produced with
+    /// `parameters`; returns its `received_at` in µs.
+    fn delivered(&self, task: &mut TaskActivation, parameters: Parameters) -> u64 {
         let now = now_us();
         let received = received_us(task);
+        if is_as_produced(task, parameters) {
+            self.identical.fetch_add(1, Ordering::Relaxed);
+        } else if self.mismatched.fetch_add(1, Ordering::Relaxed) < 5 {
+            // The first few named; the summary counts them all.
+            eprintln!(
+                "workers: task {} is not as produced ({} bytes of parameters)",
+                task.id,
+                task.parameters_bytes.len()
+            );
+        }
         self.delivered.fetch_add(1, Ordering::Relaxed);
         self.first_delivery_us.fetch_min(now, Ordering::Relaxed);
         lock(&self.delivery).push(now.saturating_sub(received));
@@ -141,10 +175,12 @@ impl Stats {
         completion.sort_unstable();
         let first = self.first_delivery_us.load(Ordering::Relaxed);
         let mut line = format!(
-            "summary delivered={} unique={} duplicates={} reported={} failed={} report_errors={} first_delivery_us={} last_report_us={}",
+            "summary delivered={} unique={} duplicates={} identical={} mismatched={} reported={} failed={} report_errors={} first_delivery_us={} last_report_us={}",
             self.delivered.load(Ordering::Relaxed),
             lock(&self.seen).len(),
             self.duplicates.load(Ordering::Relaxed),
+            self.identical.load(Ordering::Relaxed),
+            self.mismatched.load(Ordering::Relaxed),
             self.reported.load(Ordering::Relaxed),
             self.failed.load(Ordering::Relaxed),
             self.report_errors.load(Ordering::Relaxed),
@@ -219,7 +255,7 @@ fn client(address: &str) -> Result<ConsumerServiceClient<Channel>, String> {
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10))
         .connect_lazy();
-    Ok(ConsumerServiceClient::new(channel))
+    Ok(ConsumerServiceClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES))
 }
 
 /// One finished task waiting to be reported.
@@ -235,6 +271,7 @@ struct PushHandler {
     reports: mpsc::UnboundedSender<Report>,
     latency: Duration,
     failure_rate: f64,
+    parameters: Parameters,
     /// `--broker`, and whether every report goes there.
     broker: Option<String>,
     always_to_broker: bool,
@@ -261,11 +298,11 @@ impl WorkerService for PushHandler {
         request: Request<PushTaskRequest>,
     ) -> Result<Response<PushTaskResponse>, Status> {
         let request = request.into_inner();
-        let task = request
+        let mut task = request
             .task
             .ok_or_else(|| Status::invalid_argument("PushTaskRequest without a task"))?;
         let callback = self.report_address(request.callback_url)?;
-        let received_us = self.stats.delivered(&task);
+        let received_us = self.stats.delivered(&mut task, self.parameters);
         let report = Report {
             callback,
             status: outcome(&task.id, self.failure_rate),
@@ -378,10 +415,11 @@ async fn pull_loop(
     stats: Arc<Stats>,
     latency: Duration,
     failure_rate: f64,
+    parameters: Parameters,
 ) {
     let mut next: Option<TaskActivation> = None;
     loop {
-        let task = match next.take() {
+        let mut task = match next.take() {
             Some(task) => task,
             None => match client.get_task(GetTaskRequest::default()).await {
                 Ok(response) => match response.into_inner().task {
@@ -402,7 +440,7 @@ async fn pull_loop(
                 }
             },
         };
-        let received = stats.delivered(&task);
+        let received = stats.delivered(&mut task, parameters);
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }
@@ -449,6 +487,7 @@ pub fn run(args: WorkersArgs) -> Result<(), String> {
 async fn serve(args: WorkersArgs) -> Result<(), String> {
     let stats = Arc::new(Stats::new());
     let latency = Duration::from_millis(args.latency_ms);
+    let parameters = Parameters::from_flag(args.payload_bytes);
     let mut stdout = std::io::stdout();
     match args.mode {
         Delivery::Push => {
@@ -464,12 +503,15 @@ async fn serve(args: WorkersArgs) -> Result<(), String> {
                     reports: reports.clone(),
                     latency,
                     failure_rate: args.failure_rate,
+                    parameters,
                     broker: args.broker.clone(),
                     always_to_broker: args.report_to_broker,
                 };
+                let service =
+                    WorkerServiceServer::new(handler).max_decoding_message_size(MAX_MESSAGE_BYTES);
                 tokio::spawn(
                     Server::builder()
-                        .add_service(WorkerServiceServer::new(handler))
+                        .add_service(service)
                         .serve_with_incoming(TcpIncoming::from(listener)),
                 );
                 let _ = writeln!(stdout, "url http://{addr}");
@@ -486,6 +528,7 @@ async fn serve(args: WorkersArgs) -> Result<(), String> {
                     Arc::clone(&stats),
                     latency,
                     args.failure_rate,
+                    parameters,
                 ));
             }
         }
@@ -534,6 +577,7 @@ mod tests {
             reports: mpsc::unbounded_channel().0,
             latency: Duration::ZERO,
             failure_rate: 0.0,
+            parameters: Parameters::Small,
             broker: broker.map(str::to_owned),
             always_to_broker,
         }

@@ -721,7 +721,37 @@ impl Metrics {
         self.partitions_paused.with_label_values(&[topic]);
         self.consumer_pending_records.with_label_values(&[topic]);
         self.consumer_assignments.with_label_values(&[topic]);
-        self.inflight_bytes.with_label_values(&[topic]);
+        // Rows keep the topic's name, not its cluster: so does this gauge.
+        let stored_as = topic.split('@').next().unwrap_or(topic);
+        self.inflight_bytes.with_label_values(&[stored_as]);
+    }
+
+    /// `taskbroker_inflight_bytes` from the store's per-topic sums: the
+    /// topics listed get their figure, every other series shown so far 0.
+    pub fn set_inflight_bytes(&self, sums: &[(String, u64)]) {
+        use prometheus::core::Collector as _;
+        let shown: Vec<String> = self
+            .inflight_bytes
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric().iter())
+            .filter_map(|metric| {
+                metric
+                    .get_label()
+                    .first()
+                    .map(|label| label.value().to_owned())
+            })
+            .collect();
+        for topic in shown {
+            if !sums.iter().any(|(name, _)| *name == topic) {
+                self.inflight_bytes.with_label_values(&[&topic]).set(0);
+            }
+        }
+        for (topic, bytes) in sums {
+            self.inflight_bytes
+                .with_label_values(&[topic])
+                .set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+        }
     }
 
     /// Consumed records with `result`, every topic together.

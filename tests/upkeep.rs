@@ -1147,6 +1147,51 @@ async fn cycles_read_the_lag_each_time_and_count_the_table_at_most_every_interva
     assert_eq!(harness.metrics.store_calls("count_by_status"), 0);
 }
 
+/// `taskbroker_inflight_bytes` follows the store's per-topic sums every
+/// cycle, and drops to 0 once the store is empty, on both stores.
+#[actix_rt::test]
+async fn the_inflight_bytes_gauge_follows_the_store_each_cycle() {
+    for backend in [Backend::Postgres, Backend::Sqlite] {
+        let harness = Harness::on(backend).await;
+        let sized = |id: &str, topic: &str, bytes: usize| {
+            let mut row = row(id);
+            row.topic = topic.to_owned();
+            row.activation = vec![5; bytes];
+            row
+        };
+        harness
+            .insert(&[
+                sized("a", "main", 3000),
+                sized("b", "main", 4000),
+                sized("c", "side", 500),
+            ])
+            .await;
+        let upkeep = harness.start_upkeep(UpkeepConfig {
+            interval: MANUAL,
+            ..harness.config()
+        });
+        harness.run_next_cycle(&upkeep, 1).await;
+        let gauge = |topic: &str| {
+            harness
+                .metrics
+                .inflight_bytes
+                .with_label_values(&[topic])
+                .get()
+        };
+        assert_eq!((gauge("main"), gauge("side")), (7000, 500), "{backend:?}");
+        harness
+            .store
+            .delete_batch(&["a".to_owned(), "c".to_owned()])
+            .await
+            .unwrap();
+        harness.run_next_cycle(&upkeep, 2).await;
+        assert_eq!((gauge("main"), gauge("side")), (4000, 0), "{backend:?}");
+        harness.store.delete_batch(&["b".to_owned()]).await.unwrap();
+        harness.run_next_cycle(&upkeep, 3).await;
+        assert_eq!((gauge("main"), gauge("side")), (0, 0), "{backend:?}");
+    }
+}
+
 /// The per-namespace gauges: the namespaces with the most unfinished rows
 /// get series of their own, the rest are summed as `other`, and the
 /// per-status gauge is the sum of all; on both stores.

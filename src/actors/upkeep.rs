@@ -78,9 +78,9 @@ use super::fetch::WakeFetch;
 use super::heartbeat::{Member, MembershipConfig};
 use super::store::{
     CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines, HasRows,
-    MarkPublished, MaxPendingLag, ReclaimSpace, ReleaseDelayed, ReleaseExpiredClaims,
-    RemoveCompleted, RemoveExpired, RemoveForwarded, RemoveKillswitched, StoreActor, StoreHandle,
-    StoreMessage, TakeDemoted, TakeForPublish,
+    InflightBytesByTopic, MarkPublished, MaxPendingLag, ReclaimSpace, ReleaseDelayed,
+    ReleaseExpiredClaims, RemoveCompleted, RemoveExpired, RemoveForwarded, RemoveKillswitched,
+    StoreActor, StoreHandle, StoreMessage, TakeDemoted, TakeForPublish,
 };
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -866,6 +866,7 @@ impl Cycle {
             self.set_count_gauges(&[]);
         }
         self.metrics.max_lag_seconds.set(0.0);
+        self.metrics.set_inflight_bytes(&[]);
     }
 
     async fn refresh_gauges(&self) {
@@ -879,6 +880,11 @@ impl Cycle {
         match self.store.call(MaxPendingLag {}).await {
             Ok(lag) => self.metrics.max_lag_seconds.set(lag),
             Err(err) => self.failed("max_pending_lag", &err).unwrap_or(()),
+        }
+        // A few rows per topic (the sums migration V5's triggers keep).
+        match self.store.call(InflightBytesByTopic {}).await {
+            Ok(sums) => self.metrics.set_inflight_bytes(&sums),
+            Err(err) => self.failed("inflight_bytes_by_topic", &err).unwrap_or(()),
         }
     }
 }

@@ -133,6 +133,7 @@ pub const UPKEEP_ERROR_STEPS: &[&str] = &[
     "count_by_status",
     "has_rows",
     "max_pending_lag",
+    "inflight_bytes_by_topic",
     "reclaim_space",
 ];
 /// `taskbroker_status_reports_total{status}`: each report as the gRPC

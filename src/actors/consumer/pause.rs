@@ -70,10 +70,7 @@ impl ConsumeLoop {
         match self.attempt(bytes).await {
             Some(Ok(sums)) => {
                 self.inflight_bytes = of_topic(&sums, &self.config.topic);
-                self.metrics
-                    .inflight_bytes
-                    .with_label_values(&[&self.label])
-                    .set(i64::try_from(self.inflight_bytes).unwrap_or(i64::MAX));
+                self.metrics.set_inflight_bytes(&sums);
             }
             Some(Err(err)) => {
                 crate::warn_throttled!(error = %err, "cannot read the store's bytes for backpressure")

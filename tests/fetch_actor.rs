@@ -40,6 +40,35 @@ impl Handler<PushActivation> for StuckPool {
     }
 }
 
+/// A FetchActor over every bucket, handing its claims to `pool`: no second
+/// claim within a test (the first iteration is the one under test), and a
+/// 50 ms queue timeout.
+fn start_fetcher(
+    handle: &StoreHandle,
+    pool: Recipient<PushActivation>,
+    registry: &ClaimRegistry,
+    metrics: &Arc<Metrics>,
+) -> Addr<FetchActor> {
+    FetchActor::new(
+        BucketRange::ALL,
+        FetchConfig {
+            batch_size: BATCH,
+            batch_bytes: 16 << 20,
+            backoff: Duration::from_secs(3600),
+            queue_timeout: Duration::from_millis(50),
+            lease: Duration::from_secs(60),
+            fair_dispatch: true,
+            #[cfg(feature = "test-hooks")]
+            release_on_full: true,
+        },
+        handle.clone(),
+        pool,
+        registry.clone(),
+        Arc::clone(metrics),
+    )
+    .start()
+}
+
 #[actix_rt::test]
 async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     let db = common::TestSqlite::new();
@@ -52,26 +81,7 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     let mut pool: Context<StuckPool> = Context::new();
     pool.set_mailbox_capacity(1);
     let registry = ClaimRegistry::new();
-    let fetcher = FetchActor::new(
-        BucketRange::ALL,
-        FetchConfig {
-            batch_size: BATCH,
-            batch_bytes: 16 << 20,
-            // No second claim within the test: the first iteration is the
-            // one under test.
-            backoff: Duration::from_secs(3600),
-            queue_timeout: Duration::from_millis(50),
-            lease: Duration::from_secs(60),
-            fair_dispatch: true,
-            #[cfg(feature = "test-hooks")]
-            release_on_full: true,
-        },
-        handle.clone(),
-        pool.address().recipient(),
-        registry.clone(),
-        Arc::clone(&metrics),
-    )
-    .start();
+    let fetcher = start_fetcher(&handle, pool.address().recipient(), &registry, &metrics);
 
     common::wait_for_count(
         "the submit times out on the stuck pool",
@@ -161,24 +171,7 @@ async fn the_push_pool_takes_no_more_bytes_than_its_budget() {
     pool.set_mailbox_capacity(100);
     // Room for two of the activations, not three.
     let registry = ClaimRegistry::new().with_push_bytes(2 * size + size / 2);
-    let fetcher = FetchActor::new(
-        BucketRange::ALL,
-        FetchConfig {
-            batch_size: BATCH,
-            batch_bytes: 16 << 20,
-            backoff: Duration::from_secs(3600),
-            queue_timeout: Duration::from_millis(50),
-            lease: Duration::from_secs(60),
-            fair_dispatch: true,
-            #[cfg(feature = "test-hooks")]
-            release_on_full: true,
-        },
-        handle.clone(),
-        pool.address().recipient(),
-        registry.clone(),
-        Arc::clone(&metrics),
-    )
-    .start();
+    let fetcher = start_fetcher(&handle, pool.address().recipient(), &registry, &metrics);
     common::wait_for_count(
         "the submit times out on the full byte budget",
         WAIT,

@@ -29,6 +29,10 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
+/// The largest push a demo worker accepts: the largest `MAX_ACTIVATION_BYTES`
+/// allowed plus room for the request around the task.
+const DEMO_WORKER_MAX_TASK_BYTES: usize = (64 << 20) + (64 << 10);
+
 /// How a fake worker answers PushTask.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Mode {
@@ -377,7 +381,12 @@ impl DemoWorker {
                 let _ = bound_tx.send(listener.local_addr());
                 let server = Server::builder()
                     .layer(layer)
-                    .add_service(WorkerServiceServer::new(handler))
+                    // Takes any task the broker may send (MAX_ACTIVATION_BYTES
+                    // is at most 64 MiB), where tonic's default is 4 MiB.
+                    .add_service(
+                        WorkerServiceServer::new(handler)
+                            .max_decoding_message_size(DEMO_WORKER_MAX_TASK_BYTES),
+                    )
                     .serve_with_incoming(TcpIncoming::from(listener));
                 tokio::select! {
                     _ = server => {}

@@ -40,11 +40,11 @@ macro_rules! not_paused {
     };
 }
 
-// A claim's byte budget (FETCH_BATCH_BYTES, see migrations/postgres and
-// the PostgreSQL statements): of the candidate rows `$candidates` (id,
-// added_at, size), oldest first, those whose predecessors add up to less
-// than `$budget` bytes. length() of a BLOB column reads its size without
-// loading the value.
+// A claim's byte budget (FETCH_BATCH_BYTES, as in the PostgreSQL
+// statements): of the candidate rows `$candidates` (id, added_at, size),
+// oldest first, those whose predecessors add up to less than `$budget`
+// bytes. length() of a BLOB column reads its size without loading the
+// value.
 macro_rules! within_bytes {
     ($candidates:expr, $budget:literal) => {
         concat!(

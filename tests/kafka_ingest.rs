@@ -232,6 +232,18 @@ async fn consumer_dying_between_insert_and_commit_rereads_without_duplicates(bac
 
     let (_consumer, metrics) = harness.consume(harness.consumer_config());
     harness.wait_for_total(500).await;
+    // The rows are visible once their insert commits; the consumer counts
+    // them after the store's reply reaches it.
+    let counted = Arc::clone(&metrics);
+    wait_until(
+        "every record read again is counted",
+        Duration::from_secs(30),
+        || {
+            let read = counted.consumed("stored") + counted.consumed("duplicate");
+            async move { read == 500 }
+        },
+    )
+    .await;
     assert_eq!(metrics.consumed("duplicate"), 100);
     assert_eq!(metrics.consumed("stored"), 400);
 }

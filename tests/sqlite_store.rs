@@ -40,10 +40,18 @@ async fn a_drained_burst_of_large_tasks_gives_the_file_space_back() {
     }
     let peak = file_bytes(&db);
     assert!(peak > 45 << 20, "peak {peak} bytes");
-    let claimed = store
-        .claim_for_push(BucketRange::ALL, 200, Duration::from_secs(60))
-        .await
-        .unwrap();
+    // Claims stop at FETCH_BATCH_BYTES (16 MiB): claim until none is left.
+    let mut claimed = Vec::new();
+    loop {
+        let batch = store
+            .claim_for_push(BucketRange::ALL, 200, Duration::from_secs(60))
+            .await
+            .unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        claimed.extend(batch);
+    }
     assert_eq!(claimed.len(), 100);
     let reports: Vec<StatusUpdate> = claimed
         .iter()

@@ -82,15 +82,11 @@ use super::store::{
     ReleaseExpiredClaims, RemoveCompleted, RemoveExpired, RemoveForwarded, RemoveKillswitched,
     StoreActor, StoreHandle, StoreMessage, TakeDemoted, TakeForPublish,
 };
-use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, OwnedHeaders};
-
-use crate::kafka::cut::{ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER, next_cut};
+use crate::kafka::cut::CutDeadLetter;
 use crate::kafka::{KafkaSettings, Producer, refused_as_too_large};
 use crate::metrics::Metrics;
 use crate::model::{
-    ActivationStatus, DeadlineOutcome, InflightActivation, NamespaceCount, PublishKind,
-    StatusCounts, top_namespaces,
+    ActivationStatus, DeadlineOutcome, NamespaceCount, PublishKind, StatusCounts, top_namespaces,
 };
 use crate::runtime::RuntimeRules;
 use crate::store::StoreResult;
@@ -895,80 +891,6 @@ enum Delivery {
     Done(String),
     /// Not acknowledged: the row stays and is published after its lease.
     Failed,
-}
-
-/// Writes a task's dead letter after Kafka refused a record of it as too
-/// large: the stored activation whole first when `whole` is given (a retry
-/// was refused), then cut short ([`next_cut`]) until Kafka takes it, with
-/// headers naming the task's source position and its original size.
-struct CutDeadLetter<'a> {
-    producer: Producer,
-    topic: &'a str,
-    max_activation_bytes: usize,
-    timeout: Duration,
-    metrics: Arc<Metrics>,
-}
-
-impl CutDeadLetter<'_> {
-    async fn send(
-        &self,
-        row: &InflightActivation,
-        whole: Option<Vec<u8>>,
-        refused: Vec<u8>,
-    ) -> Result<(), KafkaError> {
-        let timeout = rdkafka::util::Timeout::After(self.timeout);
-        let mut payload = match whole {
-            Some(whole) => {
-                let record = FutureRecord::to(self.topic).key(&row.id).payload(&whole);
-                match self.producer.send(record, timeout).await {
-                    Ok(_) => return Ok(()),
-                    Err((err, _)) if refused_as_too_large(&err) => whole,
-                    Err((err, _)) => return Err(err),
-                }
-            }
-            None => refused,
-        };
-        let original = payload.len().to_string();
-        let source = format!("{}/{}/{}", row.topic, row.partition, row.kafka_offset);
-        self.metrics
-            .dead_letters_truncated
-            .with_label_values(&["deadletter"])
-            .inc();
-        tracing::warn!(activation_id = %row.id, topic = %row.topic, partition = row.partition,
-            offset = row.kafka_offset, bytes = payload.len(), dlq = %self.topic,
-            "Kafka refused the task's dead letter as too large; sending it cut short \
-             (the whole activation stays in the source topic at this offset until its retention)");
-        loop {
-            let Some(size) = next_cut(payload.len(), self.max_activation_bytes) else {
-                return Err(KafkaError::MessageProduction(
-                    rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
-                ));
-            };
-            payload.truncate(size);
-            let headers = OwnedHeaders::new()
-                .insert(Header {
-                    key: REASON_HEADER,
-                    value: Some("too_large"),
-                })
-                .insert(Header {
-                    key: SOURCE_HEADER,
-                    value: Some(source.as_str()),
-                })
-                .insert(Header {
-                    key: ORIGINAL_BYTES_HEADER,
-                    value: Some(original.as_str()),
-                });
-            let record = FutureRecord::to(self.topic)
-                .key(&row.id)
-                .payload(&payload)
-                .headers(headers);
-            match self.producer.send(record, timeout).await {
-                Ok(_) => return Ok(()),
-                Err((err, _)) if refused_as_too_large(&err) => continue,
-                Err((err, _)) => return Err(err),
-            }
-        }
-    }
 }
 
 /// The step forwarding demoted namespaces' rows (metrics, logs).

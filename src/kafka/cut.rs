@@ -8,6 +8,17 @@
 //! what was refused each time, down to headers alone, which still name
 //! where the whole record is (its source topic, partition and offset).
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::FutureRecord;
+
+use super::{Producer, refused_as_too_large};
+use crate::metrics::Metrics;
+use crate::model::InflightActivation;
+
 /// Header names on ingest dead-letter records.
 pub const ERROR_HEADER: &str = "taskbroker-error";
 pub const REASON_HEADER: &str = "taskbroker-error-reason";
@@ -38,6 +49,80 @@ pub fn next_cut(len: usize, max_activation_bytes: usize) -> Option<usize> {
     }
     let first = dead_letter_cut(max_activation_bytes);
     Some(if len > first { first } else { len / 2 })
+}
+
+/// Writes a task's dead letter after Kafka refused a record of it as too
+/// large: the stored activation whole first when `whole` is given (a retry
+/// was refused), then cut short ([`next_cut`]) until Kafka takes it, with
+/// headers naming the task's source position and its original size.
+pub struct CutDeadLetter<'a> {
+    pub producer: Producer,
+    pub topic: &'a str,
+    pub max_activation_bytes: usize,
+    pub timeout: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+impl CutDeadLetter<'_> {
+    pub async fn send(
+        &self,
+        row: &InflightActivation,
+        whole: Option<Vec<u8>>,
+        refused: Vec<u8>,
+    ) -> Result<(), KafkaError> {
+        let timeout = rdkafka::util::Timeout::After(self.timeout);
+        let mut payload = match whole {
+            Some(whole) => {
+                let record = FutureRecord::to(self.topic).key(&row.id).payload(&whole);
+                match self.producer.send(record, timeout).await {
+                    Ok(_) => return Ok(()),
+                    Err((err, _)) if refused_as_too_large(&err) => whole,
+                    Err((err, _)) => return Err(err),
+                }
+            }
+            None => refused,
+        };
+        let original = payload.len().to_string();
+        let source = format!("{}/{}/{}", row.topic, row.partition, row.kafka_offset);
+        self.metrics
+            .dead_letters_truncated
+            .with_label_values(&["deadletter"])
+            .inc();
+        tracing::warn!(activation_id = %row.id, topic = %row.topic, partition = row.partition,
+            offset = row.kafka_offset, bytes = payload.len(), dlq = %self.topic,
+            "Kafka refused the task's dead letter as too large; sending it cut short \
+             (the whole activation stays in the source topic at this offset until its retention)");
+        loop {
+            let Some(size) = next_cut(payload.len(), self.max_activation_bytes) else {
+                return Err(KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::MessageSizeTooLarge,
+                ));
+            };
+            payload.truncate(size);
+            let headers = OwnedHeaders::new()
+                .insert(Header {
+                    key: REASON_HEADER,
+                    value: Some("too_large"),
+                })
+                .insert(Header {
+                    key: SOURCE_HEADER,
+                    value: Some(source.as_str()),
+                })
+                .insert(Header {
+                    key: ORIGINAL_BYTES_HEADER,
+                    value: Some(original.as_str()),
+                });
+            let record = FutureRecord::to(self.topic)
+                .key(&row.id)
+                .payload(&payload)
+                .headers(headers);
+            match self.producer.send(record, timeout).await {
+                Ok(_) => return Ok(()),
+                Err((err, _)) if refused_as_too_large(&err) => continue,
+                Err((err, _)) => return Err(err),
+            }
+        }
+    }
 }
 
 #[cfg(test)]

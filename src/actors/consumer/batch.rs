@@ -169,3 +169,23 @@ impl ConsumeLoop {
         self.show_pending();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_full_at_its_record_count_or_its_bytes() {
+        let mut batch = Batch::default();
+        assert!(!batch.is_full(3, 1000));
+        batch.expired = 3;
+        assert!(batch.is_full(3, 1000), "three records");
+        let mut batch = Batch {
+            bytes: 999,
+            ..Batch::default()
+        };
+        assert!(!batch.is_full(256, 1000));
+        batch.bytes = 1000;
+        assert!(batch.is_full(256, 1000), "INSERT_BATCH_BYTES reached");
+    }
+}

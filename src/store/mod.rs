@@ -120,20 +120,20 @@ pub(crate) fn parse_status(value: String) -> StoreResult<ActivationStatus> {
 
 /// Adds one `(status, count)` row of a `GROUP BY status` query to `counts`;
 /// both backends read their counts this way.
-pub(crate) fn add_status_count(
-    counts: &mut StatusCounts,
-    status: &str,
-    count: i64,
-) -> StoreResult<()> {
-    let status = status
-        .parse::<ActivationStatus>()
-        .map_err(|value| StoreError::InvalidRow {
-            id: String::from("(count)"),
-            column: "status",
-            value,
-        })?;
-    counts.set(status, u64::try_from(count).unwrap_or(0));
-    Ok(())
+pub(crate) fn status_counts(pairs: Vec<(String, u64)>) -> StoreResult<StatusCounts> {
+    let mut counts = StatusCounts::default();
+    for (status, count) in pairs {
+        let status =
+            status
+                .parse::<ActivationStatus>()
+                .map_err(|value| StoreError::InvalidRow {
+                    id: String::from("(count)"),
+                    column: "status",
+                    value,
+                })?;
+        counts.set(status, count);
+    }
+    Ok(counts)
 }
 
 /// A retry edit as its two columns (`retry_max_attempts`,

@@ -23,7 +23,7 @@ use tokio_postgres::Row;
 
 use self::pool::{build_pool, connect_config, describe, only_row, pool_error, query_error};
 use self::rows::{
-    activation_from_row, activations_from_rows, limit, micros, per_topic, split_tokens,
+    activation_from_row, activations_from_rows, limit, micros, named_counts, split_tokens,
 };
 use self::sql::*;
 use super::view::{GroupCount, Inspection, NearExpiry, StoreView};
@@ -785,13 +785,7 @@ impl ActivationStore for PostgresStore {
     async fn count_by_status(&self) -> StoreResult<StatusCounts> {
         const OP: &str = "count_by_status";
         let rows = self.query(&self.pool, OP, COUNT_BY_STATUS, &[]).await?;
-        let mut counts = StatusCounts::default();
-        for row in &rows {
-            let status: String = row.try_get(0).map_err(|e| query_error(OP, e))?;
-            let count: i64 = row.try_get(1).map_err(|e| query_error(OP, e))?;
-            super::add_status_count(&mut counts, &status, count)?;
-        }
-        Ok(counts)
+        super::status_counts(named_counts(OP, &rows)?)
     }
 
     async fn count_by_namespace(&self) -> StoreResult<Vec<NamespaceCount>> {
@@ -814,7 +808,7 @@ impl ActivationStore for PostgresStore {
         let rows = self
             .query(&self.pool, OP, COUNT_INFLIGHT_BY_TOPIC, &[])
             .await?;
-        per_topic(OP, &rows)
+        named_counts(OP, &rows)
     }
 
     async fn inflight_bytes_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
@@ -822,7 +816,7 @@ impl ActivationStore for PostgresStore {
         let rows = self
             .query(&self.pool, OP, INFLIGHT_BYTES_BY_TOPIC, &[])
             .await?;
-        per_topic(OP, &rows)
+        named_counts(OP, &rows)
     }
 
     async fn has_rows(&self) -> StoreResult<bool> {

@@ -87,8 +87,11 @@ pub(super) fn split_tokens(claims: &[ClaimToken]) -> (Vec<&str>, Vec<DateTime<Ut
         .unzip()
 }
 
-/// `(topic, count)` rows, as the per-topic bounds read them.
-pub(super) fn per_topic(operation: &'static str, rows: &[Row]) -> StoreResult<Vec<(String, u64)>> {
+/// `(name, count)` rows: counts by status, rows and bytes by topic.
+pub(super) fn named_counts(
+    operation: &'static str,
+    rows: &[Row],
+) -> StoreResult<Vec<(String, u64)>> {
     rows.iter()
         .map(|row| {
             let topic: String = row.try_get(0).map_err(|e| query_error(operation, e))?;

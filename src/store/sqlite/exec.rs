@@ -45,8 +45,8 @@ pub(super) fn sql_error(operation: &'static str, err: rusqlite::Error) -> StoreE
     }
 }
 
-/// `(topic, count)` rows of `sql`, as the per-topic bounds read them.
-pub(super) fn per_topic(
+/// `(name, count)` rows of `sql`: counts by status, rows and bytes by topic.
+pub(super) fn named_counts(
     operation: &'static str,
     connection: &Connection,
     sql: &str,

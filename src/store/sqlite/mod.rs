@@ -56,7 +56,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::{Connection, params};
 use tokio::sync::oneshot;
 
-use self::exec::{apply_report, execute, exists, fenced, per_topic, query_rows, sql_error};
+use self::exec::{apply_report, execute, exists, fenced, named_counts, query_rows, sql_error};
 use self::fair::claim_fair;
 use self::lock::lock_for_this_process;
 use self::reader::ReaderPool;
@@ -871,17 +871,7 @@ impl ActivationStore for SqliteStore {
     async fn count_by_status(&self) -> StoreResult<StatusCounts> {
         const OP: &str = "count_by_status";
         self.read(OP, |connection| {
-            let mut statement = connection
-                .prepare_cached(COUNT_BY_STATUS)
-                .map_err(|e| sql_error(OP, e))?;
-            let mut rows = statement.query([]).map_err(|e| sql_error(OP, e))?;
-            let mut counts = StatusCounts::default();
-            while let Some(row) = rows.next().map_err(|e| sql_error(OP, e))? {
-                let status: String = row.get(0).map_err(|e| sql_error(OP, e))?;
-                let count: i64 = row.get(1).map_err(|e| sql_error(OP, e))?;
-                super::add_status_count(&mut counts, &status, count)?;
-            }
-            Ok(counts)
+            super::status_counts(named_counts(OP, connection, COUNT_BY_STATUS)?)
         })
         .await
     }
@@ -912,7 +902,7 @@ impl ActivationStore for SqliteStore {
     async fn count_inflight_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
         const OP: &str = "count_inflight_by_topic";
         self.read(OP, |connection| {
-            per_topic(OP, connection, COUNT_INFLIGHT_BY_TOPIC)
+            named_counts(OP, connection, COUNT_INFLIGHT_BY_TOPIC)
         })
         .await
     }
@@ -920,7 +910,7 @@ impl ActivationStore for SqliteStore {
     async fn inflight_bytes_by_topic(&self) -> StoreResult<Vec<(String, u64)>> {
         const OP: &str = "inflight_bytes_by_topic";
         self.read(OP, |connection| {
-            per_topic(OP, connection, INFLIGHT_BYTES_BY_TOPIC)
+            named_counts(OP, connection, INFLIGHT_BYTES_BY_TOPIC)
         })
         .await
     }

@@ -69,6 +69,24 @@ fn start_fetcher(
     .start()
 }
 
+/// Waits until the fetcher's submit timed out on `why`, then stops it: the
+/// release runs before the iteration ends, so once the actor answers a
+/// message sent after the timeout, the iteration is done.
+async fn until_the_submit_times_out(fetcher: &Addr<FetchActor>, metrics: &Metrics, why: &str) {
+    common::wait_for_count(
+        &format!("the submit times out on {why}"),
+        WAIT,
+        &metrics.submits,
+        "timeout",
+        1,
+    )
+    .await;
+    fetcher
+        .send(StopFetching)
+        .await
+        .expect("fetch actor answers");
+}
+
 #[actix_rt::test]
 async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     let db = common::TestSqlite::new();
@@ -83,20 +101,7 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     let registry = ClaimRegistry::new();
     let fetcher = start_fetcher(&handle, pool.address().recipient(), &registry, &metrics);
 
-    common::wait_for_count(
-        "the submit times out on the stuck pool",
-        WAIT,
-        &metrics.submits,
-        "timeout",
-        1,
-    )
-    .await;
-    // The release runs before the iteration ends; once the actor answers a
-    // message sent after the timeout, it is done.
-    fetcher
-        .send(StopFetching)
-        .await
-        .expect("fetch actor answers");
+    until_the_submit_times_out(&fetcher, &metrics, "the stuck pool").await;
 
     // One sender handle: a mailbox of capacity 1 took one message, the
     // sender was then parked and every later try got `Full` back.
@@ -172,18 +177,7 @@ async fn the_push_pool_takes_no_more_bytes_than_its_budget() {
     // Room for two of the activations, not three.
     let registry = ClaimRegistry::new().with_push_bytes(2 * size + size / 2);
     let fetcher = start_fetcher(&handle, pool.address().recipient(), &registry, &metrics);
-    common::wait_for_count(
-        "the submit times out on the full byte budget",
-        WAIT,
-        &metrics.submits,
-        "timeout",
-        1,
-    )
-    .await;
-    fetcher
-        .send(StopFetching)
-        .await
-        .expect("fetch actor answers");
+    until_the_submit_times_out(&fetcher, &metrics, "the full byte budget").await;
     assert_eq!(Metrics::count(&metrics.submits, "ok"), 2);
     assert_eq!(registry.push_bytes().held(), 2 * size);
     assert_eq!(

@@ -29,7 +29,7 @@ use crate::actors::liveness::Liveness;
 use crate::actors::push_pool::{
     DrainPushPool, PushPoolConfig, Resolver, SpreadConfig, StopPushPool,
 };
-use crate::actors::store::{ReleaseClaims, StoreHandle};
+use crate::actors::store::StoreHandle;
 use crate::actors::upkeep::{StopUpkeep, UpkeepActor, UpkeepConfig};
 use crate::actors::{FetchActor, PushPoolActor};
 use crate::config::{Config, ConsumedTopic, DeliveryMode, TopicAt, Topology};
@@ -122,7 +122,7 @@ impl PushPipeline {
     ) -> Result<PushPipeline, String> {
         PushPoolActor::validate(&config.push)?;
         let registry = ClaimRegistry::fenced_by(liveness).with_push_bytes(config.push.queue_bytes);
-        let push_arbiter = Arbiter::new();
+        let push_arbiter = named_arbiter("tb-push");
         let push_pool = {
             let (push, store, metrics) = (config.push.clone(), store.clone(), Arc::clone(&metrics));
             let registry = registry.clone();
@@ -130,7 +130,7 @@ impl PushPipeline {
                 PushPoolActor::new(push, store, metrics, registry)
             })
         };
-        let fetch_arbiter = Arbiter::new();
+        let fetch_arbiter = named_arbiter("tb-fetch");
         let count = u16::try_from(config.fetch_actors.clamp(1, 256)).unwrap_or(1);
         let fetchers = (0..count)
             .map(|index| {
@@ -182,7 +182,7 @@ impl PushPipeline {
         let left = self.registry.take_all();
         if !left.is_empty() {
             let count = left.len() as u64;
-            match self.store.call(ReleaseClaims { claims: left }).await {
+            match self.store.release(left).await {
                 Ok(released) => {
                     self.metrics
                         .claims_released
@@ -303,6 +303,17 @@ const SERVER_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(1
 /// How long `stop` waits for the actors' threads to end once told to.
 const ARBITER_JOIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// A new Arbiter whose thread is named `name` (at most 15 bytes), so
+/// `top -H` and the benchmarks can tell which actors use the CPU: actix
+/// names every Arbiter's thread alike. Naming is best effort (Linux only).
+fn named_arbiter(name: &'static str) -> Arbiter {
+    let arbiter = Arbiter::new();
+    arbiter.spawn_fn(move || {
+        let _ = std::fs::write("/proc/thread-self/comm", name);
+    });
+    arbiter
+}
+
 /// Binds a listening socket now, so a taken port fails startup with a clear
 /// error instead of failing later in a background task.
 fn bind(addr: std::net::SocketAddr, what: &str) -> Result<std::net::TcpListener, String> {
@@ -361,13 +372,14 @@ impl Broker {
                 config.takeover_timeout,
             )),
         };
-        let store_arbiter = Arbiter::new();
+        let store_arbiter = named_arbiter("tb-store");
         let store_actor = StoreHandle::start_in_arbiter(
             &store_arbiter.handle(),
             store,
             Arc::clone(&metrics),
             rules.clone(),
-        );
+        )
+        .map_err(|err| format!("cannot start the store's threads: {err}"))?;
         let pipeline = match config.delivery_mode {
             DeliveryMode::Push => {
                 let pipeline_config = PushPipelineConfig::from_config(config, host_name);
@@ -393,7 +405,7 @@ impl Broker {
             .collect();
 
         let wake_on_new_rows = wake.clone();
-        let upkeep_arbiter = Arbiter::new();
+        let upkeep_arbiter = named_arbiter("tb-upkeep");
         let upkeep = UpkeepActor::new(
             UpkeepConfig {
                 membership: Some(membership),
@@ -411,7 +423,7 @@ impl Broker {
 
         // Every consumer on one Arbiter: they spend their time waiting on
         // Kafka and the store, and each still pauses on its own.
-        let consumer_arbiter = Arbiter::new();
+        let consumer_arbiter = named_arbiter("tb-consumer");
         let shared_metrics = Arc::clone(&metrics);
         let topology = config.topology();
         health.expect_consumers(topology.consumed.len());
@@ -438,7 +450,7 @@ impl Broker {
 
         // The gRPC server and the metrics endpoint share an Arbiter of their
         // own, away from the actors.
-        let server_arbiter = Arbiter::new();
+        let server_arbiter = named_arbiter("tb-server");
         let grpc_listener = bind(config.grpc_addr, "gRPC (TASKBROKER_GRPC_ADDR)")?;
         let metrics_listener = bind(config.metrics_addr, "metrics (TASKBROKER_METRICS_ADDR)")?;
         let grpc_addr = grpc_listener.local_addr().map_err(|err| err.to_string())?;

@@ -14,7 +14,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::actors::store::{Ping, StoreHandle};
+use crate::actors::store::StoreHandle;
 use crate::metrics::Metrics;
 use crate::supervisor::Health;
 
@@ -74,5 +74,5 @@ async fn ready(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 /// Whether the store answers: a cheap round trip through the StoreActor to
 /// the database, no table scan.
 pub async fn store_answers(store: &StoreHandle) -> Result<(), String> {
-    store.call(Ping {}).await.map_err(|err| err.to_string())
+    store.ping().await.map_err(|err| err.to_string())
 }

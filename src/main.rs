@@ -25,7 +25,6 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use std::time::Duration;
-use taskbroker::actors::store::CountByStatus;
 use taskbroker::broker::Broker;
 
 use taskbroker::config::{Config, unknown_variables};
@@ -244,7 +243,7 @@ async fn run(config: Config) -> Result<(), String> {
     store.migrate().await.map_err(|err| err.to_string())?;
     let metrics = Arc::new(Metrics::new());
     let broker = Broker::start(&config, store, Arc::clone(&metrics), &host_name())?;
-    match broker.store.call(CountByStatus {}).await {
+    match broker.store.count_by_status().await {
         Ok(counts) => {
             metrics.set_status_counts(counts.by_status());
             tracing::info!(inflight = counts.inflight(), "store ready");

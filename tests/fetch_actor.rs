@@ -93,7 +93,8 @@ async fn a_stuck_push_pool_gets_the_batch_released_in_one_statement() {
     let store: Arc<dyn ActivationStore> = db.store().await;
     common::insert(store.as_ref(), &common::rows("stuck", BATCH)).await;
     let metrics = Arc::new(Metrics::new());
-    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let handle =
+        StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics)).expect("store threads start");
 
     // Never started: its mailbox takes messages and nothing takes them out.
     let mut pool: Context<StuckPool> = Context::new();
@@ -171,7 +172,8 @@ async fn the_push_pool_takes_no_more_bytes_than_its_budget() {
         .collect();
     common::insert(store.as_ref(), &rows).await;
     let metrics = Arc::new(Metrics::new());
-    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let handle =
+        StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics)).expect("store threads start");
     let mut pool: Context<StuckPool> = Context::new();
     pool.set_mailbox_capacity(100);
     // Room for two of the activations, not three.
@@ -268,7 +270,8 @@ async fn claims_failing_during_an_outage_are_logged_once_per_interval() {
         .expect("store config"),
     );
     let metrics = Arc::new(Metrics::new());
-    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let handle =
+        StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics)).expect("store threads start");
     let pool: Context<StuckPool> = Context::new();
     let fetcher = FetchActor::new(
         BucketRange::ALL,

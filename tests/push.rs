@@ -16,7 +16,6 @@ use common::worker::{
 };
 use common::{Backend, rows, wait_for_count, wait_until};
 use taskbroker::actors::push_pool::{NO_ROUTE_BACKOFF, StopPushPool};
-use taskbroker::actors::store::{ClaimBatch, MarkPushed, ReleaseClaims};
 use taskbroker::broker::{PushPipeline, PushPipelineConfig};
 use taskbroker::config::WorkerEndpoints;
 use taskbroker::metrics::Metrics;
@@ -254,41 +253,21 @@ async fn saturated_pool_releases_each_unsubmitted_batch_in_one_statement(backend
 async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
     let harness = Harness::on(backend).await;
     harness.insert("fence", 1).await;
-    let claim = |lease| ClaimBatch {
-        buckets: BucketRange::ALL,
-        limit: 10,
-        lease,
-        fair: true,
-    };
-    let first = harness
-        .store_actor
-        .call(claim(Duration::ZERO))
-        .await
-        .unwrap();
+    let claim = |lease| harness.store_actor.claim(BucketRange::ALL, 10, lease, true);
+    let first = claim(Duration::ZERO).await.unwrap();
     let old = first[0].claim_token().unwrap();
     // The lease ran out, upkeep returned it, and another fetch claimed it.
     harness.store.release_expired_claims(10).await.unwrap();
-    let second = harness
-        .store_actor
-        .call(claim(Duration::from_secs(30)))
-        .await
-        .unwrap();
+    let second = claim(Duration::from_secs(30)).await.unwrap();
     let current = second[0].claim_token().unwrap();
 
     let grace = Duration::from_secs(1);
     let late = harness
         .store_actor
-        .call(MarkPushed {
-            claim: old.clone(),
-            deadline_grace: grace,
-            pushed_at: std::time::Instant::now(),
-        })
+        .mark_pushed(old.clone(), grace, std::time::Instant::now())
         .await;
     assert_eq!(late, Ok(false), "a stale success changes nothing");
-    let released = harness
-        .store_actor
-        .call(ReleaseClaims { claims: vec![old] })
-        .await;
+    let released = harness.store_actor.release(vec![old]).await;
     assert_eq!(released, Ok(0), "a stale release changes nothing");
     let row = harness.store.get("fence-0").await.unwrap().unwrap();
     assert_eq!(row.status, ActivationStatus::Claimed);
@@ -296,11 +275,7 @@ async fn late_push_success_after_a_new_claim_is_stale(backend: Backend) {
 
     let fresh = harness
         .store_actor
-        .call(MarkPushed {
-            claim: current,
-            deadline_grace: grace,
-            pushed_at: std::time::Instant::now(),
-        })
+        .mark_pushed(current, grace, std::time::Instant::now())
         .await;
     assert_eq!(fresh, Ok(true));
 }
@@ -359,20 +334,15 @@ async fn concurrent_push_successes_are_combined_into_few_statements() {
     harness.insert("combine", 200).await;
     let claimed = harness
         .store_actor
-        .call(ClaimBatch {
-            buckets: BucketRange::ALL,
-            limit: 200,
-            lease: Duration::from_secs(30),
-            fair: true,
-        })
+        .claim(BucketRange::ALL, 200, Duration::from_secs(30), true)
         .await
         .unwrap();
     let replies = futures::future::join_all(claimed.iter().map(|row| {
-        harness.store_actor.call(MarkPushed {
-            claim: row.claim_token().unwrap(),
-            deadline_grace: Duration::from_secs(1),
-            pushed_at: std::time::Instant::now(),
-        })
+        harness.store_actor.mark_pushed(
+            row.claim_token().unwrap(),
+            Duration::from_secs(1),
+            std::time::Instant::now(),
+        )
     }))
     .await;
     assert!(replies.into_iter().all(|reply| matches!(reply, Ok(true))));

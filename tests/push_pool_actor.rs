@@ -121,7 +121,8 @@ async fn a_hung_worker_gets_at_most_concurrency_pushes_and_every_claim_comes_bac
     }
     common::insert(store.as_ref(), &rows).await;
     let metrics = Arc::new(Metrics::new());
-    let handle = StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics));
+    let handle =
+        StoreHandle::start(Arc::clone(&store), Arc::clone(&metrics)).expect("store threads start");
     let registry = ClaimRegistry::new();
     let config = PushPoolConfig {
         concurrency: CONCURRENCY,

@@ -598,7 +598,6 @@ fn a_bad_runtime_file_at_startup_is_refused_with_the_reason() {
 /// flood only.
 async fn weights_in_the_runtime_file_steer_push_claims(backend: Backend) {
     use taskbroker::actors::StoreHandle;
-    use taskbroker::actors::store::{ClaimBatch, ReleaseClaims};
     use taskbroker::model::BucketRange;
 
     let db = TestStore::new(backend).await;
@@ -619,21 +618,17 @@ async fn weights_in_the_runtime_file_steer_push_claims(backend: Backend) {
     let metrics = Arc::new(Metrics::new());
     let (mut file, rules) =
         open_runtime(&runtime.path(), DeliveryMode::Push, Arc::clone(&metrics)).unwrap();
-    let actor = StoreHandle::start_with_rules(Arc::clone(&store), metrics, rules);
+    let actor = StoreHandle::start_with_rules(Arc::clone(&store), metrics, rules)
+        .expect("store threads start");
     let claim = |fair: bool| {
         let actor = actor.clone();
         async move {
             let claimed = actor
-                .call(ClaimBatch {
-                    buckets: BucketRange::ALL,
-                    limit: 10,
-                    lease: Duration::from_secs(60),
-                    fair,
-                })
+                .claim(BucketRange::ALL, 10, Duration::from_secs(60), fair)
                 .await
                 .unwrap();
             let tokens = claimed.iter().map(|c| c.token.clone()).collect();
-            actor.call(ReleaseClaims { claims: tokens }).await.unwrap();
+            actor.release(tokens).await.unwrap();
             let mut counts = std::collections::BTreeMap::new();
             for claim in &claimed {
                 *counts

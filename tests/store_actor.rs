@@ -13,9 +13,6 @@ use std::time::Duration;
 
 use common::TestDb;
 use taskbroker::actors::StoreHandle;
-use taskbroker::actors::store::{
-    ClaimBatch, CountByStatus, InsertBatch, MaxPendingLag, Ping, ReleaseClaims, ReportStatus,
-};
 use taskbroker::metrics::Metrics;
 use taskbroker::model::{ActivationStatus, BucketRange, ClaimToken, StatusUpdate, WorkerStatus};
 use taskbroker::store::{ActivationStore, PostgresStore, StoreError};
@@ -28,7 +25,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 fn start_actor(store: Arc<dyn ActivationStore>) -> (StoreHandle, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
-    let addr = StoreHandle::start(store, Arc::clone(&metrics));
+    let addr = StoreHandle::start(store, Arc::clone(&metrics)).expect("store threads start");
     (addr, metrics)
 }
 
@@ -109,9 +106,7 @@ async fn handlers_run_queries_concurrently() {
         .await
         .expect("lock the table");
 
-    let requests: Vec<_> = (0..CONCURRENT)
-        .map(|_| addr.call(CountByStatus {}))
-        .collect();
+    let requests: Vec<_> = (0..CONCURRENT).map(|_| addr.count_by_status()).collect();
     let replies = actix_rt::spawn(futures::future::join_all(requests));
 
     let monitor = common::connect(&common::admin_url()).await;
@@ -181,9 +176,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
 
     let rows = common::rows("outage", 3);
     let inserted = addr
-        .call(InsertBatch {
-            rows: Arc::new(rows.clone()),
-        })
+        .insert(Arc::new(rows.clone()))
         .await
         .expect("insert before the outage");
     assert_eq!(inserted, 3);
@@ -195,7 +188,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
         .batch_execute("BEGIN; LOCK TABLE inflight_taskactivations IN ACCESS EXCLUSIVE MODE;")
         .await
         .expect("lock the table");
-    let in_flight = actix_rt::spawn(addr.call(CountByStatus {}));
+    let in_flight = actix_rt::spawn(addr.count_by_status());
     let admin = common::connect(&common::admin_url()).await;
     let deadline = Deadline::start("the in-flight query waits on the table lock");
     while backends_waiting_on_locks(&admin, &db.name).await < 1 {
@@ -233,21 +226,16 @@ async fn database_outage_returns_unavailable_then_recovers() {
     // ones, which the database refuses: Unavailable too, and promptly.
     for _ in 0..2 {
         let reply = within_deadline("count_by_status during the outage", async {
-            addr.call(CountByStatus {}).await
+            addr.count_by_status().await
         })
         .await;
         expect_unavailable("count_by_status", reply);
     }
-    let reply = within_deadline("ping during the outage", addr.call(Ping {})).await;
+    let reply = within_deadline("ping during the outage", addr.ping()).await;
     expect_unavailable("ping", reply);
     let reply = within_deadline("claim_for_push during the outage", async {
-        addr.call(ClaimBatch {
-            buckets: BucketRange::ALL,
-            limit: 10,
-            lease: Duration::from_secs(60),
-            fair: true,
-        })
-        .await
+        addr.claim(BucketRange::ALL, 10, Duration::from_secs(60), true)
+            .await
     })
     .await;
     expect_unavailable("claim_for_push", reply);
@@ -264,7 +252,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
     let mut failures_while_recovering = 0u64;
     let deadline = Deadline::start("max_pending_lag succeeds again");
     loop {
-        match addr.call(MaxPendingLag {}).await {
+        match addr.max_pending_lag().await {
             Ok(_) => break,
             Err(err) => {
                 assert!(
@@ -277,10 +265,7 @@ async fn database_outage_returns_unavailable_then_recovers() {
         deadline.pause().await;
     }
 
-    let counts = addr
-        .call(CountByStatus {})
-        .await
-        .expect("count after recovery");
+    let counts = addr.count_by_status().await.expect("count after recovery");
     assert_eq!(counts.get(ActivationStatus::Pending), 3);
     assert_eq!(counts.total(), 3);
     for row in &rows {
@@ -319,14 +304,11 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
         .map(|row| row.claim_token().expect("claimed rows carry their fence"))
         .collect();
 
-    let released = addr
-        .call(ReleaseClaims { claims: tokens })
-        .await
-        .expect("release");
+    let released = addr.release(tokens).await.expect("release");
     assert_eq!(released, K as u64);
     assert_eq!(metrics.store_calls("release_claims"), 1);
 
-    let counts = addr.call(CountByStatus {}).await.expect("count");
+    let counts = addr.count_by_status().await.expect("count");
     assert_eq!(counts.get(ActivationStatus::Pending), K as u64);
     assert_eq!(counts.get(ActivationStatus::Claimed), 0);
     for row in &claimed {
@@ -345,14 +327,9 @@ async fn release_claims_batch_is_one_store_call_and_returns_rows_to_pending() {
 
 /// Claims up to `limit` rows through the StoreActor, with a one-minute lease.
 async fn claim(addr: &StoreHandle, limit: usize) -> Vec<taskbroker::model::ClaimedActivation> {
-    addr.call(ClaimBatch {
-        buckets: BucketRange::ALL,
-        limit,
-        lease: Duration::from_secs(60),
-        fair: true,
-    })
-    .await
-    .expect("claim")
+    addr.claim(BucketRange::ALL, limit, Duration::from_secs(60), true)
+        .await
+        .expect("claim")
 }
 
 /// `n` rows of `prefix` stored and claimed, on a store of `db`; their ids.
@@ -405,7 +382,7 @@ impl HeldTable {
     /// now waits on the lock too (beside the first write), every report
     /// before it has joined the next combined write.
     async fn release_once_queued(self, addr: &StoreHandle) {
-        let count = addr.call(CountByStatus {});
+        let count = addr.count_by_status();
         self.wait_for(2, "the reports are queued behind the first")
             .await;
         self.locker.batch_execute("COMMIT").await.expect("unlock");
@@ -419,12 +396,7 @@ async fn a_report_the_database_refuses_fails_alone_not_its_combined_write() {
     let db = TestDb::new().await;
     let (store, claimed) = claimed_rows(&db, "report", VALID).await;
     let (addr, metrics) = start_actor(store.clone());
-    let report = |id: &str| {
-        addr.call(ReportStatus::one(StatusUpdate::new(
-            id,
-            WorkerStatus::Complete,
-        )))
-    };
+    let report = |id: &str| addr.report(vec![StatusUpdate::new(id, WorkerStatus::Complete)]);
 
     // Hold the table so the first report's write waits and every report
     // sent meanwhile joins the next combined write.
@@ -468,12 +440,11 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
     let (store, ids) = claimed_rows(&db, "batch", VALID).await;
     let (addr, metrics) = start_actor(store.clone());
     let report = |ids: &[String]| {
-        addr.call(ReportStatus {
-            updates: ids
-                .iter()
+        addr.report(
+            ids.iter()
                 .map(|id| StatusUpdate::new(id.as_str(), WorkerStatus::Complete))
                 .collect(),
-        })
+        )
     };
 
     // As above: the first write waits on the lock, the rest join the next.
@@ -532,19 +503,15 @@ async fn batch_reports_are_combined_and_a_refused_batch_fails_as_a_whole_alone()
 #[actix_rt::test]
 async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
     use std::time::Instant;
-    use taskbroker::actors::store::MarkPushed;
 
     let db = TestDb::new().await;
     let store = db.store().await;
     common::insert(store.as_ref(), &common::rows("skip", 4)).await;
     let (addr, metrics) = start_actor(store.clone());
     // skip-3 is reported while still Pending (ignored), before its claim.
-    addr.call(ReportStatus::one(StatusUpdate::new(
-        "skip-3",
-        WorkerStatus::Complete,
-    )))
-    .await
-    .expect("report");
+    addr.report(vec![StatusUpdate::new("skip-3", WorkerStatus::Complete)])
+        .await
+        .expect("report");
     let claimed = claim(&addr, 4).await;
     let token = |id: &str| {
         claimed
@@ -554,32 +521,22 @@ async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
             .expect("claimed")
     };
     let pushed_at = Instant::now();
-    let mark = |id: &str| MarkPushed {
-        claim: token(id),
-        deadline_grace: Duration::from_secs(1),
-        pushed_at,
-    };
+    let mark = |id: &str| addr.mark_pushed(token(id), Duration::from_secs(1), pushed_at);
 
     // The report first, then the mark: no statement.
-    addr.call(ReportStatus::one(StatusUpdate::new(
-        "skip-0",
-        WorkerStatus::Complete,
-    )))
-    .await
-    .expect("report");
-    assert_eq!(addr.call(mark("skip-0")).await, Ok(true));
+    addr.report(vec![StatusUpdate::new("skip-0", WorkerStatus::Complete)])
+        .await
+        .expect("report");
+    assert_eq!(mark("skip-0").await, Ok(true));
     assert_eq!(metrics.store_calls("mark_processing"), 0);
     assert_eq!(metrics.marks_skipped.get(), 1);
 
     // A mark waiting behind another mark's write when the report comes.
     let held = HeldTable::hold(&db).await;
-    let first = addr.call(mark("skip-1"));
+    let first = mark("skip-1");
     held.wait_for(1, "the first mark's write waits").await;
-    let waiting = addr.call(mark("skip-2"));
-    let report = addr.call(ReportStatus::one(StatusUpdate::new(
-        "skip-2",
-        WorkerStatus::Complete,
-    )));
+    let waiting = mark("skip-2");
+    let report = addr.report(vec![StatusUpdate::new("skip-2", WorkerStatus::Complete)]);
     held.wait_for(2, "the report's write waits too").await;
     held.locker.batch_execute("COMMIT").await.expect("unlock");
     assert_eq!(within_deadline("first mark", first).await, Ok(true));
@@ -590,11 +547,8 @@ async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
 
     // Reported before the push was sent: the mark is written.
     assert_eq!(
-        addr.call(MarkPushed {
-            pushed_at: Instant::now(),
-            ..mark("skip-3")
-        })
-        .await,
+        addr.mark_pushed(token("skip-3"), Duration::from_secs(1), Instant::now())
+            .await,
         Ok(true)
     );
     assert_eq!(metrics.store_calls("mark_processing"), 2);
@@ -620,36 +574,31 @@ async fn marks_of_tasks_already_reported_are_skipped_and_others_written() {
 #[actix_rt::test]
 async fn a_reported_task_costs_one_insert_one_update_and_one_delete() {
     use std::time::Instant;
-    use taskbroker::actors::store::MarkPushed;
     const N: usize = 64;
 
     let db = TestDb::new().await;
     let store = db.store().await;
     let (addr, metrics) = start_actor(store.clone());
     let rows = common::rows("cost", N);
-    addr.call(InsertBatch {
-        rows: Arc::new(rows),
-    })
-    .await
-    .expect("insert");
+    addr.insert(Arc::new(rows)).await.expect("insert");
     let claimed = claim(&addr, N).await;
     assert_eq!(claimed.len(), N);
     let pushed_at = Instant::now();
-    addr.call(ReportStatus {
-        updates: claimed
+    addr.report(
+        claimed
             .iter()
             .map(|row| StatusUpdate::new(row.id.as_str(), WorkerStatus::Complete))
             .collect(),
-    })
+    )
     .await
     .expect("report");
     for row in &claimed {
-        let mark = MarkPushed {
-            claim: row.claim_token().expect("fence"),
-            deadline_grace: Duration::from_secs(1),
+        let mark = addr.mark_pushed(
+            row.claim_token().expect("fence"),
+            Duration::from_secs(1),
             pushed_at,
-        };
-        assert_eq!(addr.call(mark).await, Ok(true));
+        );
+        assert_eq!(mark.await, Ok(true));
     }
     assert_eq!(store.remove_completed(1000).await, Ok(0));
     assert_eq!(store.discard_failures(1000).await, Ok(0));
@@ -683,4 +632,46 @@ async fn a_reported_task_costs_one_insert_one_update_and_one_delete() {
         .expect("read table statistics");
     let rows_touched: (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
     assert_eq!(rows_touched, (N as i64, N as i64, N as i64));
+}
+
+/// Database calls run on the store's own threads, not on the StoreActor's:
+/// with the actor's thread blocked, a call it has already handed on still
+/// finishes in the database. The insert is the first of its statement on
+/// the connection, so it needs two round trips (prepare, then execute);
+/// the table lock holds it after the first. Were the call polled on the
+/// actor's thread, where its pool connection was also opened, the second
+/// round trip could not start until that thread was free again.
+#[actix_rt::test]
+async fn database_calls_run_off_the_store_actors_thread() {
+    let db = TestDb::new().await;
+    let observer = db.store().await;
+    let arbiter = actix::Arbiter::new();
+    let addr = StoreHandle::start_in_arbiter(
+        &arbiter.handle(),
+        db.store().await,
+        Arc::new(Metrics::new()),
+        taskbroker::runtime::RuntimeRules::none(),
+    )
+    .expect("store threads start");
+    // Opens the actor's pool connection.
+    within_deadline("ping", addr.ping()).await.expect("ping");
+    let held = HeldTable::hold(&db).await;
+    let insert = addr.insert(Arc::new(common::rows("off-thread", 3)));
+    held.wait_for(1, "the insert waits on the lock").await;
+
+    let (blocked, is_blocked) = tokio::sync::oneshot::channel();
+    let (unblock, until_unblocked) = std::sync::mpsc::channel::<()>();
+    arbiter.spawn_fn(move || {
+        let _ = blocked.send(());
+        let _ = until_unblocked.recv();
+    });
+    is_blocked.await.expect("the actor's thread is blocked");
+    held.locker.batch_execute("COMMIT").await.expect("unlock");
+    let deadline = Deadline::start("the insert is stored while the actor's thread is blocked");
+    while observer.count_by_status().await.expect("count").inflight() < 3 {
+        deadline.pause().await;
+    }
+    unblock.send(()).expect("unblock");
+    assert_eq!(within_deadline("the insert's answer", insert).await, Ok(3));
+    arbiter.stop();
 }

@@ -19,7 +19,6 @@ use rdkafka::message::Message as _;
 use taskbroker::actors::consumer::{
     ConsumerActor, ORIGINAL_BYTES_HEADER, REASON_HEADER, SOURCE_HEADER,
 };
-use taskbroker::actors::store::ReportStatus;
 use taskbroker::actors::upkeep::{RunUpkeep, UpkeepActor, UpkeepConfig};
 use taskbroker::metrics::Metrics;
 use taskbroker::model::{
@@ -1266,11 +1265,7 @@ async fn namespace_gauges_show_the_top_namespaces_and_the_rest_as_other() {
         updates.extend(report("small", WorkerStatus::Failure));
         updates.extend(report("tiny", WorkerStatus::Complete));
         updates.push(StatusUpdate::new("no-such-row", WorkerStatus::Complete));
-        harness
-            .store_actor
-            .call(ReportStatus { updates })
-            .await
-            .unwrap();
+        harness.store_actor.report(updates).await.unwrap();
         let results = |namespace: &str, status: &str| {
             harness
                 .metrics

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::watch;
 
 use super::liveness::Liveness;
-use super::store::{ReleaseClaims, StoreHandle};
+use super::store::StoreHandle;
 use crate::metrics::Metrics;
 use crate::model::ClaimToken;
 
@@ -300,8 +300,6 @@ impl Drop for ClaimGuard {
             .with_label_values(&["dropped"])
             .inc();
         // Fire and forget: if the store is gone too, the lease returns it.
-        let _ = self.store.send_and_forget(ReleaseClaims {
-            claims: vec![token],
-        });
+        let _ = self.store.release_in_background(vec![token]);
     }
 }

@@ -43,7 +43,7 @@ use tokio::time::Instant;
 
 use super::claims::{ClaimGuard, ClaimRegistry};
 use super::push_pool::PushActivation;
-use super::store::{ClaimBatch, ReleaseClaims, StoreHandle};
+use super::store::StoreHandle;
 use crate::metrics::{Metrics, Stage};
 use crate::model::{BucketRange, ClaimedActivation};
 
@@ -274,12 +274,12 @@ impl Submitter {
         };
         let claimed = self
             .store
-            .call(ClaimBatch {
-                buckets: self.buckets,
-                limit: self.config.batch_size,
-                lease: self.config.lease,
-                fair: self.config.fair_dispatch,
-            })
+            .claim(
+                self.buckets,
+                self.config.batch_size,
+                self.config.lease,
+                self.config.fair_dispatch,
+            )
             .await;
         let claimed = match claimed {
             Ok(rows) => rows,
@@ -417,7 +417,7 @@ impl Submitter {
             return;
         }
         let claims = guards.iter().map(|guard| guard.token().clone()).collect();
-        match self.store.call(ReleaseClaims { claims }).await {
+        match self.store.release(claims).await {
             Ok(released) => {
                 self.metrics
                     .claims_released

@@ -26,10 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::liveness::Liveness;
-use super::store::{
-    Heartbeat, ReadBroker, RegisterBroker, ReleasePreviousClaims, StoreHandle, TakeOverSilent,
-    UnregisterBroker,
-};
+use super::store::StoreHandle;
 use crate::metrics::Metrics;
 use crate::model::{BeatAnswer, Takeover};
 use crate::store::{StoreError, StoreResult};
@@ -177,9 +174,7 @@ impl Member {
     /// A clean stop: removes this broker's row (a clean stop is no
     /// takeover), waiting at most [`LEAVE_LIMIT`].
     pub fn leave(&self) -> impl Future<Output = ()> + 'static {
-        let leave = self.store.call(UnregisterBroker {
-            incarnation: self.incarnation.clone(),
-        });
+        let leave = self.store.unregister_broker(self.incarnation.clone());
         async move {
             // Bounded: with the database away, stopping must not wait for
             // it; a peer takes the row over instead.
@@ -252,14 +247,14 @@ impl From<StoreError> for JoinError {
 /// heartbeat that is recent and still moving, i.e. another live process
 /// uses the id. A recent row that stays still was this id's previous run.
 pub async fn check_unique(store: &StoreHandle, config: &MembershipConfig) -> Result<(), JoinError> {
-    let Some(first) = store.call(ReadBroker {}).await? else {
+    let Some(first) = store.read_broker().await? else {
         return Ok(());
     };
     if first.silent_for >= config.takeover_timeout {
         return Ok(());
     }
     tokio::time::sleep(config.heartbeat_interval.saturating_mul(3) / 2).await;
-    match store.call(ReadBroker {}).await? {
+    match store.read_broker().await? {
         Some(now)
             if now.incarnation == first.incarnation && now.heartbeat_at > first.heartbeat_at =>
         {
@@ -284,13 +279,13 @@ pub async fn join(
 ) -> StoreResult<Joined> {
     let sent = Instant::now();
     let registration = store
-        .call(RegisterBroker {
-            host: config.host.clone(),
-            incarnation: incarnation.to_owned(),
-            live_within: config.takeover_timeout,
-        })
+        .register_broker(
+            config.host.clone(),
+            incarnation.to_owned(),
+            config.takeover_timeout,
+        )
         .await?;
-    let released = store.call(ReleasePreviousClaims {}).await?;
+    let released = store.release_previous_claims().await?;
     metrics
         .claims_released
         .with_label_values(&["restart"])
@@ -330,10 +325,7 @@ pub async fn beat(
 ) -> StoreResult<Beat> {
     let sent = Instant::now();
     let answer = store
-        .call(Heartbeat {
-            incarnation: incarnation.to_owned(),
-            silent_after: config.takeover_timeout,
-        })
+        .heartbeat(incarnation.to_owned(), config.takeover_timeout)
         .await?;
     let silent_peers = match answer {
         BeatAnswer::Accepted { silent_peers } => silent_peers,
@@ -353,12 +345,7 @@ pub async fn beat(
     }
     // The beat itself was accepted (this broker stays live); a failed
     // takeover is tried again at the next beat that counts a silent peer.
-    let takeovers = match store
-        .call(TakeOverSilent {
-            timeout: config.takeover_timeout,
-        })
-        .await
-    {
+    let takeovers = match store.take_over_silent(config.takeover_timeout).await {
         Ok(takeovers) => takeovers,
         Err(err) => {
             crate::warn_throttled!(error = %err, silent_peers, "cannot take over silent brokers; trying again at the next heartbeat");

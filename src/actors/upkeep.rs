@@ -76,12 +76,7 @@ pub const STATUS_COUNT_INTERVAL: Duration = Duration::from_secs(10);
 
 use super::fetch::WakeFetch;
 use super::heartbeat::{Member, MembershipConfig};
-use super::store::{
-    CountByNamespace, DiscardFailures, FailExhaustedAttempts, HandleProcessingDeadlines, HasRows,
-    InflightBytesByTopic, MarkPublished, MaxPendingLag, ReclaimSpace, ReleaseDelayed,
-    ReleaseExpiredClaims, RemoveCompleted, RemoveExpired, RemoveForwarded, RemoveKillswitched,
-    StoreActor, StoreHandle, StoreMessage, TakeDemoted, TakeForPublish,
-};
+use super::store::StoreHandle;
 use crate::kafka::cut::CutDeadLetter;
 use crate::kafka::{KafkaSettings, Producer, refused_as_too_large};
 use crate::metrics::Metrics;
@@ -304,7 +299,7 @@ impl Handler<RunUpkeep> for UpkeepActor {
             // Every step works on rows: an empty store (an idle broker) is
             // one cheap question instead of a statement per step. A failed
             // question runs the cycle, whose steps count their own errors.
-            let runnable = if matches!(cycle.store.call(HasRows {}).await, Ok(false)) {
+            let runnable = if matches!(cycle.store.has_rows().await, Ok(false)) {
                 cycle.idle_gauges();
                 false
             } else {
@@ -452,11 +447,13 @@ impl Cycle {
     /// Runs every step; answers whether rows became runnable.
     async fn run(self: Arc<Self>) -> bool {
         let limit = self.config.batch_limit;
-        self.repeat("discard_failures", || DiscardFailures { limit })
+        self.repeat("discard_failures", |store| store.discard_failures(limit))
             .await;
         let mut runnable = 0;
         let released = self
-            .repeat("release_expired_claims", || ReleaseExpiredClaims { limit })
+            .repeat("release_expired_claims", |store| {
+                store.release_expired_claims(limit)
+            })
             .await;
         self.metrics
             .claims_released
@@ -467,39 +464,36 @@ impl Cycle {
             runnable += self.processing_deadlines().await;
         }
         let max_attempts = self.config.max_attempts;
-        self.repeat("fail_exhausted_attempts", || FailExhaustedAttempts {
-            max_attempts,
-            limit,
+        self.repeat("fail_exhausted_attempts", |store| {
+            store.fail_exhausted_attempts(max_attempts, limit)
         })
         .await;
         let killswitches = self.config.rules.current().killswitches;
         if !killswitches.is_empty() {
-            self.repeat("remove_killswitched", || RemoveKillswitched {
-                killswitches: Arc::clone(&killswitches),
-                limit,
+            self.repeat("remove_killswitched", |store| {
+                store.remove_killswitched(Arc::clone(&killswitches), limit)
             })
             .await;
         }
-        self.repeat("remove_expired", || RemoveExpired { limit })
+        self.repeat("remove_expired", |store| store.remove_expired(limit))
             .await;
         runnable += self
-            .repeat("release_delayed", || ReleaseDelayed { limit })
+            .repeat("release_delayed", |store| store.release_delayed(limit))
             .await;
-        self.repeat("remove_completed", || RemoveCompleted { limit })
+        self.repeat("remove_completed", |store| store.remove_completed(limit))
             .await;
         self.refresh_gauges().await;
         runnable > 0
     }
 
-    /// Runs the store step `message()` builds until it catches up (see
+    /// Runs the store step `call` sends until it catches up (see
     /// [`Passes`]); answers the rows it moved in all.
-    async fn repeat<M>(&self, name: &'static str, message: impl Fn() -> M) -> u64
+    async fn repeat<F>(&self, name: &'static str, call: impl Fn(&StoreHandle) -> F) -> u64
     where
-        M: StoreMessage<Output = u64>,
-        StoreActor: Handler<M>,
+        F: Future<Output = StoreResult<u64>>,
     {
         let mut passes = Passes::new(self, name);
-        while passes.again(self.step(name, self.store.call(message())).await) {}
+        while passes.again(self.step(name, call(&self.store)).await) {}
         passes.moved
     }
 
@@ -554,9 +548,7 @@ impl Cycle {
         let started = Instant::now();
         let result = self
             .store
-            .call(HandleProcessingDeadlines {
-                limit: self.config.batch_limit,
-            })
+            .handle_processing_deadlines(self.config.batch_limit)
             .await;
         self.metrics
             .upkeep_duration
@@ -598,11 +590,7 @@ impl Cycle {
         let started = Instant::now();
         let taken = match self
             .store
-            .call(TakeForPublish {
-                kind,
-                limit: self.config.batch_limit,
-                lease: self.config.publish_lease,
-            })
+            .take_for_publish(kind, self.config.batch_limit, self.config.publish_lease)
             .await
         {
             Ok(rows) => rows,
@@ -693,7 +681,7 @@ impl Cycle {
                 Delivery::Failed => all_delivered = false,
             }
         }
-        let marked = match self.store.call(MarkPublished { ids: done }).await {
+        let marked = match self.store.mark_published(done).await {
             Ok(completed) => {
                 self.metrics
                     .upkeep_transitions
@@ -768,12 +756,12 @@ impl Cycle {
         let started = Instant::now();
         let taken = match self
             .store
-            .call(TakeDemoted {
-                namespaces: Arc::clone(&rules.demoted_namespaces),
-                demoted_topic: Arc::clone(&rules.demoted_topic),
-                limit: self.config.batch_limit,
-                lease: self.config.publish_lease,
-            })
+            .take_demoted(
+                Arc::clone(&rules.demoted_namespaces),
+                Arc::clone(&rules.demoted_topic),
+                self.config.batch_limit,
+                self.config.publish_lease,
+            )
             .await
         {
             Ok(rows) => rows,
@@ -806,7 +794,7 @@ impl Cycle {
                 }
             }
         }
-        let removed = match self.store.call(RemoveForwarded { ids: forwarded }).await {
+        let removed = match self.store.remove_forwarded(forwarded).await {
             Ok(removed) => {
                 self.metrics
                     .upkeep_transitions
@@ -832,7 +820,7 @@ impl Cycle {
         if !self.reclaim_space {
             return SpaceAnswer::NotAsked;
         }
-        match self.store.call(ReclaimSpace {}).await {
+        match self.store.reclaim_space().await {
             Ok(None) => SpaceAnswer::NoFile,
             Ok(Some(run)) => {
                 let after = run.after;
@@ -868,17 +856,17 @@ impl Cycle {
     async fn refresh_gauges(&self) {
         if self.count_statuses {
             // One scan gives both the per-status and per-namespace gauges.
-            match self.store.call(CountByNamespace {}).await {
+            match self.store.count_by_namespace().await {
                 Ok(counts) => self.set_count_gauges(&counts),
                 Err(err) => self.failed("count_by_namespace", &err).unwrap_or(()),
             }
         }
-        match self.store.call(MaxPendingLag {}).await {
+        match self.store.max_pending_lag().await {
             Ok(lag) => self.metrics.max_lag_seconds.set(lag),
             Err(err) => self.failed("max_pending_lag", &err).unwrap_or(()),
         }
         // A few rows per topic (the sums migration V5's triggers keep).
-        match self.store.call(InflightBytesByTopic {}).await {
+        match self.store.inflight_bytes_by_topic().await {
             Ok(sums) => self.metrics.set_inflight_bytes(&sums),
             Err(err) => self.failed("inflight_bytes_by_topic", &err).unwrap_or(()),
         }

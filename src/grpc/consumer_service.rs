@@ -21,7 +21,7 @@ use std::time::Duration;
 use prost::Message as _;
 use tonic::{Request, Response, Status};
 
-use crate::actors::store::{ClaimForPull, ReportStatus, StoreHandle};
+use crate::actors::store::StoreHandle;
 use crate::config::DeliveryMode;
 use crate::metrics::Metrics;
 use crate::model::{MAX_ID_BYTES, check_text};
@@ -60,10 +60,7 @@ impl ConsumerApi {
     async fn next_task(&self, filter: PullFilter) -> Result<Option<TaskActivation>, Status> {
         let claimed = self
             .store
-            .call(ClaimForPull {
-                filter,
-                deadline_grace: self.deadline_grace,
-            })
+            .claim_for_pull(filter, self.deadline_grace)
             .await
             .map_err(store_status)?;
         let Some(row) = claimed else {
@@ -77,10 +74,7 @@ impl ConsumerApi {
                 tracing::error!(activation_id = %row.id, error = %err, "stored activation does not decode; failing it");
                 let _ = self
                     .store
-                    .call(ReportStatus::one(StatusUpdate::new(
-                        row.id,
-                        WorkerStatus::Failure,
-                    )))
+                    .report(vec![StatusUpdate::new(row.id, WorkerStatus::Failure)])
                     .await;
                 Err(Status::internal("stored activation does not decode"))
             }
@@ -186,7 +180,7 @@ impl ConsumerService for ConsumerApi {
         self.count(status_label(update.status));
         if !update.id.is_empty() {
             self.store
-                .call(ReportStatus::one(update))
+                .report(vec![update])
                 .await
                 .map_err(store_status)?;
         }
@@ -222,10 +216,7 @@ impl ConsumerService for ConsumerApi {
             .collect();
         if !updates.is_empty() {
             // The StoreActor counts what the write did (`record_status_outcome`).
-            self.store
-                .call(ReportStatus { updates })
-                .await
-                .map_err(store_status)?;
+            self.store.report(updates).await.map_err(store_status)?;
         }
         Ok(Response::new(SetBatchActivationStatusResponse {}))
     }

@@ -578,4 +578,5 @@ pub fn start_store_actor(
         metrics,
         taskbroker::runtime::RuntimeRules::none(),
     )
+    .expect("store threads start")
 }

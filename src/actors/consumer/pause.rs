@@ -13,7 +13,6 @@
 use rdkafka::consumer::Consumer;
 
 use super::{ConsumeLoop, Stopped, TICK};
-use crate::actors::store::{CountInflightByTopic, InflightBytesByTopic};
 
 impl ConsumeLoop {
     /// Waits, paused, while the store holds `MAX_INFLIGHT` rows or more:
@@ -58,7 +57,7 @@ impl ConsumeLoop {
     pub(super) async fn refresh_inflight(&mut self) {
         // A failed read keeps the last figures (the estimate only grows,
         // so a full store stays paused); the next tick reads again.
-        let count = self.store.call(CountInflightByTopic {});
+        let count = self.store.count_inflight_by_topic();
         match self.attempt(count).await {
             Some(Ok(counts)) => self.inflight = of_topic(&counts, &self.config.topic),
             Some(Err(err)) => {
@@ -66,7 +65,7 @@ impl ConsumeLoop {
             }
             None => {}
         }
-        let bytes = self.store.call(InflightBytesByTopic {});
+        let bytes = self.store.inflight_bytes_by_topic();
         match self.attempt(bytes).await {
             Some(Ok(sums)) => {
                 self.inflight_bytes = of_topic(&sums, &self.config.topic);

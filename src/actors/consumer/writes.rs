@@ -13,7 +13,6 @@ use super::{ConsumeLoop, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN, Stopped};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
-use crate::actors::store::InsertBatch;
 use crate::kafka::{Producer, refused_as_too_large};
 use crate::metrics::Stage;
 use crate::model::{ActivationError, InflightActivation, KafkaPosition};
@@ -90,9 +89,7 @@ impl ConsumeLoop {
     ) -> Result<Inserted, Stopped> {
         let mut backoff = Backoff::new();
         loop {
-            let insert = self.store.call(InsertBatch {
-                rows: Arc::clone(&rows),
-            });
+            let insert = self.store.insert(Arc::clone(&rows));
             let pause = backoff.next();
             match self.attempt(insert).await.ok_or(Stopped)? {
                 Ok(stored) => {

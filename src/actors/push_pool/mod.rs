@@ -71,7 +71,7 @@ use self::endpoints::Router;
 use self::outcome::{NotSent, PushOutcome, Unknown};
 
 use super::claims::{ClaimGuard, ClaimRegistry};
-use super::store::{DeferClaims, FailClaimAttempt, FailClaims, MarkPushed, StoreHandle, UndoClaim};
+use super::store::StoreHandle;
 use crate::config::WorkerEndpoints;
 use crate::metrics::{Metrics, Stage};
 use crate::model::InflightActivation;
@@ -425,11 +425,11 @@ impl PushShared {
     async fn mark_pushed(&self, claim: ClaimGuard, pushed_at: Instant) {
         let moved = self
             .store
-            .call(MarkPushed {
-                claim: claim.token().clone(),
-                deadline_grace: self.config.deadline_grace,
-                pushed_at: pushed_at.into_std(),
-            })
+            .mark_pushed(
+                claim.token().clone(),
+                self.config.deadline_grace,
+                pushed_at.into_std(),
+            )
             .await;
         let result = match moved {
             Ok(true) => "ok",
@@ -448,12 +448,7 @@ impl PushShared {
 
     /// Fenced undo to Pending, no attempt consumed.
     async fn undo(&self, claim: ClaimGuard) {
-        let undone = self
-            .store
-            .call(UndoClaim {
-                claim: claim.token().clone(),
-            })
-            .await;
+        let undone = self.store.undo_claim(claim.token().clone()).await;
         match undone {
             Ok(true) => self
                 .metrics
@@ -473,12 +468,7 @@ impl PushShared {
 
     /// Fenced Claimed → Failure: the push used up the task's delivery.
     async fn fail(&self, claim: ClaimGuard, why: &'static str) {
-        let sent = self
-            .store
-            .call(FailClaims {
-                claims: vec![claim.token().clone()],
-            })
-            .await;
+        let sent = self.store.fail_claims(vec![claim.token().clone()]).await;
         if let Err(err) = sent {
             crate::warn_throttled!(error = %err, why, "cannot fail a claim; the lease will return it");
         }
@@ -491,12 +481,7 @@ impl PushShared {
     /// same statement as a failed push's undo); counted by `result`.
     async fn release_unpushed(&self, claim: ClaimGuard, result: &'static str) {
         self.metrics.pushes.with_label_values(&[result]).inc();
-        let released = self
-            .store
-            .call(UndoClaim {
-                claim: claim.token().clone(),
-            })
-            .await;
+        let released = self.store.undo_claim(claim.token().clone()).await;
         if let Err(err) = &released {
             crate::warn_throttled!(error = %err, "cannot release a claim too old to push; its lease will");
         }
@@ -513,10 +498,7 @@ impl PushShared {
             + chrono::TimeDelta::from_std(NO_ROUTE_BACKOFF).unwrap_or(chrono::TimeDelta::MAX);
         let deferred = self
             .store
-            .call(DeferClaims {
-                claims: vec![claim.token().clone()],
-                until,
-            })
+            .defer_claims(vec![claim.token().clone()], until)
             .await;
         if let Err(err) = &deferred {
             crate::warn_throttled!(error = %err, "cannot defer an unroutable claim; its lease will return it");
@@ -568,10 +550,7 @@ impl PushShared {
         );
         let sent = self
             .store
-            .call(FailClaimAttempt {
-                claims: vec![claim.token().clone()],
-                max_attempts: self.config.max_attempts,
-            })
+            .fail_claim_attempt(vec![claim.token().clone()], self.config.max_attempts)
             .await;
         if let Err(err) = &sent {
             crate::warn_throttled!(error = %err, "cannot record an undeliverable claim; the lease will return it");

@@ -16,6 +16,7 @@
 //! skipped mark writes nothing, so it cannot let a stale claim win.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +24,7 @@ use actix::prelude::*;
 use futures::StreamExt;
 use tokio::sync::oneshot;
 
-use super::{StoreActor, StoreMessage};
+use super::{StoreActor, StoreHandle, StoreMessage};
 use crate::metrics::{Metrics, Stage};
 use crate::model::{ClaimToken, StatusUpdate};
 use crate::store::{ActivationStore, StoreError, StoreResult};
@@ -264,15 +265,6 @@ pub struct ReportStatus {
     pub updates: Vec<StatusUpdate>,
 }
 
-impl ReportStatus {
-    /// A single worker's report.
-    pub fn one(update: StatusUpdate) -> Self {
-        ReportStatus {
-            updates: vec![update],
-        }
-    }
-}
-
 impl Message for ReportStatus {
     type Result = StoreResult<()>;
 }
@@ -299,6 +291,32 @@ impl Handler<ReportStatus> for StoreActor {
     }
 }
 
+impl StoreHandle {
+    /// A push succeeded: mark its claim Processing (see [`MarkPushed`]).
+    /// Answers whether the claim still held the row.
+    pub fn mark_pushed(
+        &self,
+        claim: ClaimToken,
+        deadline_grace: Duration,
+        pushed_at: Instant,
+    ) -> impl Future<Output = StoreResult<bool>> + Send + use<> {
+        self.call(MarkPushed {
+            claim,
+            deadline_grace,
+            pushed_at,
+        })
+    }
+
+    /// Write workers' results (see [`ReportStatus`]); resolves once they
+    /// are durable.
+    pub fn report(
+        &self,
+        updates: Vec<StatusUpdate>,
+    ) -> impl Future<Output = StoreResult<()>> + Send + use<> {
+        self.call(ReportStatus { updates })
+    }
+}
+
 impl StoreActor {
     fn flush_reported(&mut self, ctx: &mut Context<Self>) {
         let Some(batch) = self.reported.take_batch(Vec::len) else {
@@ -318,8 +336,14 @@ impl StoreActor {
                 Err(err) if requests.len() > 1 && !err.is_unavailable() => {
                     tracing::warn!(error = %err, requests = requests.len(),
                         "combined status write failed; writing each request on its own");
-                    futures::stream::iter(&requests)
+                    // Built before the stream, not by a closure inside it:
+                    // a closure over borrowed requests held across the await
+                    // is not provably `Send` for the store's threads.
+                    let separate: Vec<_> = requests
+                        .iter()
                         .map(|one| write_reports(store.as_ref(), &metrics, one))
+                        .collect();
+                    futures::stream::iter(separate)
                         .buffered(SEPARATE_WRITES_AT_ONCE)
                         .collect::<Vec<_>>()
                         .await
@@ -327,7 +351,11 @@ impl StoreActor {
                 combined => vec![combined; requests.len()],
             }
         };
+        let requests_count = replies.len();
+        let write = self.io.spawn(write);
         ctx.spawn(write.into_actor(self).map(move |results, act, ctx| {
+            let results = results
+                .unwrap_or_else(|| vec![Err(stopped(ReportStatus::OPERATION)); requests_count]);
             for (reply, result) in replies.into_iter().zip(results) {
                 let _ = reply.send(result);
             }
@@ -373,8 +401,9 @@ impl StoreActor {
             );
             result
         };
+        let write = self.io.spawn(write);
         ctx.spawn(write.into_actor(self).map(move |result, act, ctx| {
-            match result {
+            match result.unwrap_or_else(|| Err(stopped(MarkPushed::OPERATION))) {
                 Ok(moved) => {
                     let moved: HashSet<String> = moved.into_iter().collect();
                     for ((claim, _, _), reply) in batch {
@@ -390,6 +419,15 @@ impl StoreActor {
             act.pushed.flushing = false;
             act.flush_pushed(ctx);
         }));
+    }
+}
+
+/// The answer to a combined write that could not finish (the store's
+/// threads were shut down under it).
+fn stopped(operation: &'static str) -> StoreError {
+    StoreError::Unavailable {
+        operation,
+        message: "store stopped before the write finished".to_owned(),
     }
 }
 

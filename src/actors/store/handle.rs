@@ -11,8 +11,10 @@ use std::sync::Arc;
 use actix::dev::SendError;
 use actix::prelude::*;
 
-use super::{StoreActor, StoreMessage};
+use super::io::StoreIo;
+use super::{ReleaseClaims, StoreActor, StoreMessage};
 use crate::metrics::Metrics;
+use crate::model::ClaimToken;
 use crate::runtime::RuntimeRules;
 use crate::store::{ActivationStore, StoreError, StoreResult};
 
@@ -24,22 +26,27 @@ pub struct StoreHandle {
 
 impl StoreHandle {
     /// Starts a StoreActor for `store` on `arbiter` (a thread of its own, as
-    /// the broker runs it).
+    /// the broker runs it), with its database calls on threads of their own
+    /// (`io.rs`). Fails only if those threads cannot be started.
     pub fn start_in_arbiter(
         arbiter: &ArbiterHandle,
         store: Arc<dyn ActivationStore>,
         metrics: Arc<Metrics>,
         rules: RuntimeRules,
-    ) -> StoreHandle {
-        StoreHandle {
+    ) -> std::io::Result<StoreHandle> {
+        let io = StoreIo::start()?;
+        Ok(StoreHandle {
             addr: StoreActor::start_in_arbiter(arbiter, move |_| {
-                StoreActor::new(store, metrics, rules)
+                StoreActor::new(store, metrics, rules, io)
             }),
-        }
+        })
     }
 
     /// Starts a StoreActor for `store` on the current Arbiter.
-    pub fn start(store: Arc<dyn ActivationStore>, metrics: Arc<Metrics>) -> StoreHandle {
+    pub fn start(
+        store: Arc<dyn ActivationStore>,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<StoreHandle> {
         StoreHandle::start_with_rules(store, metrics, RuntimeRules::none())
     }
 
@@ -48,10 +55,11 @@ impl StoreHandle {
         store: Arc<dyn ActivationStore>,
         metrics: Arc<Metrics>,
         rules: RuntimeRules,
-    ) -> StoreHandle {
-        StoreHandle {
-            addr: StoreActor::new(store, metrics, rules).start(),
-        }
+    ) -> std::io::Result<StoreHandle> {
+        let io = StoreIo::start()?;
+        Ok(StoreHandle {
+            addr: StoreActor::new(store, metrics, rules, io).start(),
+        })
     }
 
     /// Sends `msg` now (it queues behind the messages sent before it) and
@@ -60,7 +68,10 @@ impl StoreHandle {
     /// called, not when the future is first polled, so callers' calls keep
     /// their order. With the mailbox full (`MAILBOX_CAPACITY`), actix holds
     /// the message in the returned future until it is polled.
-    pub fn call<M>(&self, msg: M) -> impl Future<Output = StoreResult<M::Output>> + Send + 'static
+    pub(super) fn call<M>(
+        &self,
+        msg: M,
+    ) -> impl Future<Output = StoreResult<M::Output>> + Send + use<M>
     where
         M: StoreMessage,
         StoreActor: Handler<M>,
@@ -76,21 +87,17 @@ impl StoreHandle {
         }
     }
 
-    /// Queues `msg` without waiting for its answer, for callers that cannot
-    /// wait (a guard's `Drop`). Fails at once, `Unavailable`, when the
-    /// StoreActor's mailbox is full or closed.
-    pub fn send_and_forget<M>(&self, msg: M) -> StoreResult<()>
-    where
-        M: StoreMessage,
-        StoreActor: Handler<M>,
-    {
-        self.addr.try_send(msg).map_err(|err| {
+    /// Queues the release of `claims` without waiting for its answer, for
+    /// callers that cannot wait (a guard's `Drop`). Fails at once,
+    /// `Unavailable`, when the StoreActor's mailbox is full or closed.
+    pub fn release_in_background(&self, claims: Vec<ClaimToken>) -> StoreResult<()> {
+        self.addr.try_send(ReleaseClaims { claims }).map_err(|err| {
             let message = match err {
                 SendError::Full(_) => "store actor mailbox full",
                 SendError::Closed(_) => "store actor stopped",
             };
             StoreError::Unavailable {
-                operation: M::OPERATION,
+                operation: ReleaseClaims::OPERATION,
                 message: message.to_owned(),
             }
         })

@@ -458,6 +458,7 @@ async fn run_in(args: &E2eArgs, run: &str, scratch: &Scratch) -> Result<(), Stri
         used.broker,
         per_k(used.broker)
     );
+    print_threads(&used);
     println!(
         "  other CPU: workers {:.1} s ({:.3}/1k), harness + Kafka {:.1} s ({:.3}/1k), whole machine {:.1} s of {:.1} s available",
         used.workers,
@@ -712,6 +713,9 @@ const STALLED: Duration = Duration::from_secs(60);
 /// CPU seconds used by each party since [`CpuMarks::take`].
 struct CpuMarks {
     broker: f64,
+    /// Per broker thread: what `since` reports as used, busiest first.
+    threads: std::collections::BTreeMap<u64, (String, f64)>,
+    busiest: Vec<(String, f64)>,
     workers: f64,
     harness: f64,
     machine: f64,
@@ -722,6 +726,8 @@ impl CpuMarks {
     fn take(broker: &BrokerProcess, workers: Option<&WorkersProcess>) -> CpuMarks {
         CpuMarks {
             broker: procstat::cpu_seconds(&broker.pid()),
+            threads: procstat::thread_cpu_seconds(&broker.pid()),
+            busiest: Vec::new(),
             workers: workers.map_or(0.0, WorkersProcess::cpu_seconds),
             harness: procstat::cpu_seconds("self"),
             machine: procstat::machine_busy_seconds(),
@@ -732,10 +738,31 @@ impl CpuMarks {
         let now = CpuMarks::take(broker, Some(workers));
         CpuMarks {
             broker: now.broker - self.broker,
+            busiest: procstat::threads_since(&self.threads, &now.threads),
+            threads: now.threads,
             workers: now.workers - self.workers,
             harness: now.harness - self.harness,
             machine: now.machine - self.machine,
         }
+    }
+}
+
+/// The broker's busiest threads and their share of its CPU: whether one
+/// thread (an actor's Arbiter, say) limits the broker.
+fn print_threads(used: &CpuMarks) {
+    let share = |secs: f64| 100.0 * secs / used.broker.max(1e-9);
+    let top: Vec<String> = used
+        .busiest
+        .iter()
+        .take(6)
+        .map(|(name, secs)| format!("{name} {secs:.1} s ({:.0} %)", share(*secs)))
+        .collect();
+    if !top.is_empty() {
+        println!(
+            "  broker threads: {} of them used CPU; busiest: {}",
+            used.busiest.len(),
+            top.join(", ")
+        );
     }
 }
 

@@ -231,6 +231,7 @@ async fn run_status(args: &StatusArgs, url: &str) -> Result<(), String> {
             metrics,
             taskbroker::runtime::RuntimeRules::none(),
         )
+        .map_err(|err| format!("cannot start the store's threads: {err}"))?
     };
     // The server on an Arbiter of its own, as in the broker.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -428,6 +429,7 @@ async fn run_ingest(args: &IngestArgs, url: &str) -> Result<(), String> {
             metrics,
             taskbroker::runtime::RuntimeRules::none(),
         )
+        .map_err(|err| format!("cannot start the store's threads: {err}"))?
     };
     let started = Instant::now();
     let cpu_before = cpu_seconds();
@@ -612,6 +614,7 @@ async fn run_push(args: &PushArgs, url: &str) -> Result<(), String> {
             metrics,
             taskbroker::runtime::RuntimeRules::none(),
         )
+        .map_err(|err| format!("cannot start the store's threads: {err}"))?
     };
     let config = PushPipelineConfig {
         fetch_actors: args.fetch_actors,
